@@ -1,0 +1,108 @@
+"""Baseline policy losses for stale-rollout comparisons. Pure torch.
+
+- ``vanilla``: PPO's clipped surrogate, max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), with optional dual clip
+  (for A < 0 the loss is capped at -A c), exactly as verl's ``vanilla`` and the paper's GRPO baseline.
+- ``no_trust_region``: the same unclipped importance-weighted objective as M2PO, -A r averaged over all valid tokens,
+  with nothing masked (the paper's "GRPO no TR").
+
+Config keys (verl names first, then the runtime's AReaL-style names): ``clip_ratio_low`` / ``clip_ratio`` /
+``eps_clip`` (default 0.2), ``clip_ratio_high`` / ``eps_clip_higher`` (default: the low value), ``clip_ratio_c`` /
+``c_clip`` (default: off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from recipe.common import (
+    agg_loss,
+    cfg_lookup,
+    check_inputs,
+    global_batch_info,
+    masked_log_ratio,
+    read_float,
+    straight_through_clamp,
+)
+
+VANILLA_METRIC_KEYS = ("vanilla/clip_fraction", "vanilla/dual_clip_fraction", "vanilla/ppo_kl")
+NO_TR_METRIC_KEYS = ("no_trust_region/ratio_mean", "no_trust_region/ratio_max", "no_trust_region/ppo_kl")
+
+
+def _clip_params(config: Any) -> tuple[float, float, Optional[float]]:
+    low = read_float(config, ("clip_ratio_low", "clip_ratio", "eps_clip"), 0.2, minimum=0.0)
+    high = read_float(config, ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"), low, minimum=0.0)
+    c_value, _ = cfg_lookup(config, ("clip_ratio_c", "c_clip"), None)
+    dual = None
+    if c_value is not None:
+        dual = read_float(config, ("clip_ratio_c", "c_clip"), 3.0, minimum=1.0, minimum_inclusive=False)
+    return low, high, dual
+
+
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    values = torch.where(valid, values, torch.zeros_like(values))
+    return values.sum() / valid.sum().clamp(min=1)
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip (optionally dual clip) with verl's signature."""
+    low, high, dual = _clip_params(config)
+    valid = check_inputs("vanilla", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    d = masked_log_ratio(old_log_prob, log_prob, valid)
+    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    ratio = torch.exp(straight_through_clamp(d))
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    dual_clipped = torch.zeros_like(valid)
+    if dual is not None:
+        cap = -adv * dual
+        dual_clipped = (adv < 0) & (per_token > cap)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    if rollout_is_weights is not None:
+        per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
+    loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))
+    with torch.no_grad():
+        stats = torch.stack([
+            _masked_mean(clipped.float(), valid), _masked_mean(dual_clipped.float(), valid),
+            _masked_mean(-d.detach(), valid),
+        ]).tolist()
+    return loss, dict(zip(VANILLA_METRIC_KEYS, stats))
+
+
+def compute_policy_loss_no_trust_region(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """-A * r over all valid tokens, no clip and no mask (M2PO with tau = infinity)."""
+    valid = check_inputs("no_trust_region", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    d = masked_log_ratio(old_log_prob, log_prob, valid)
+    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    ratio = torch.exp(straight_through_clamp(d))
+    per_token = -adv * ratio
+    if rollout_is_weights is not None:
+        per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
+    loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = torch.stack([
+            _masked_mean(r, valid),
+            torch.where(valid, r, torch.zeros_like(r)).max() if r.numel() else torch.zeros((), device=r.device),
+            _masked_mean(-d.detach(), valid),
+        ]).tolist()
+    return loss, dict(zip(NO_TR_METRIC_KEYS, stats))

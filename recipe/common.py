@@ -1,0 +1,178 @@
+"""Pieces every policy loss here shares: reading config, verl-exact loss aggregation, input guards.
+
+Pure torch. ``config`` may be a verl ``ActorConfig`` dataclass, an OmegaConf ``DictConfig``, a plain dict, an
+object with attributes, or None; every reader accepts all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+)
+
+# exp() of a log-ratio beyond this is clamped in the forward pass (gradient passes straight through), as verl does.
+LOG_RATIO_CLAMP = 20.0
+
+_MISSING = object()
+
+
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+    """``config.key`` or ``config[key]``; ``default`` when absent or None."""
+    if config is None:
+        return default
+    value = _MISSING
+    if isinstance(config, dict):
+        value = config.get(key, _MISSING)
+    else:
+        try:
+            value = getattr(config, key)
+        except (AttributeError, KeyError):
+            getter = getattr(config, "get", None)
+            if callable(getter):
+                try:
+                    value = getter(key, _MISSING)
+                except Exception:  # noqa: BLE001 - strict configs may raise on unknown keys
+                    value = _MISSING
+    if value is _MISSING or value is None:
+        return default
+    return value
+
+
+def cfg_lookup(config: Any, paths: tuple[str, ...], default: Any) -> tuple[Any, str]:
+    """First present value among dotted ``paths`` (e.g. ``policy_loss.m2_threshold``); returns (value, path)."""
+    for path in paths:
+        node = config
+        for part in path.split("."):
+            node = cfg_get(node, part, _MISSING)
+            if node is _MISSING:
+                break
+        if node is not _MISSING:
+            return node, path
+    return default, paths[-1]
+
+
+def read_float(config: Any, paths: tuple[str, ...], default: float, *, minimum: float = -math.inf,
+               minimum_inclusive: bool = True) -> float:
+    """A finite float from config, checked against ``minimum``; the error names the key that was read."""
+    value, path = cfg_lookup(config, paths, default)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path} must be a number, got {value!r} ({type(value).__name__})") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{path} must be finite, got {value!r}")
+    below = number < minimum if minimum_inclusive else number <= minimum
+    if below:
+        relation = ">=" if minimum_inclusive else ">"
+        raise ValueError(f"{path} must be {relation} {minimum}, got {number}")
+    return number
+
+
+def global_batch_info(config: Any) -> dict[str, Any]:
+    """verl's ``config.global_batch_info`` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)."""
+    info = cfg_get(config, "global_batch_info", None)
+    if not info:
+        return {}
+    return {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+            if k in info and info[k] is not None}
+
+
+def _as_float_tensor(x: Any, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=like.device, dtype=like.dtype)
+    return torch.tensor(float(x), device=like.device, dtype=like.dtype)
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, *, dp_size: int = 1,
+             batch_num_tokens: Optional[Any] = None, global_batch_size: Optional[Any] = None,
+             loss_scale_factor: Optional[Any] = None) -> torch.Tensor:
+    """Aggregate a per-token loss exactly as verl's ``agg_loss`` does, so DP and micro-batch splits are exact.
+
+    One difference, on purpose: an empty batch (zero valid tokens or sequences) returns a zero connected to the graph
+    instead of dividing by zero.
+    """
+    mask = loss_mask.to(loss_mat.dtype)
+    # torch.where, not a product: garbage (NaN/inf) at padded positions must not leak into the sum or its gradient.
+    masked = torch.where(loss_mask.bool(), loss_mat, torch.zeros_like(loss_mat))
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens "
+                                 "(config.global_batch_info['batch_num_tokens'])")
+            batch_num_tokens = mask.sum()
+        denom = torch.clamp(_as_float_tensor(batch_num_tokens, masked), min=1.0)
+        return masked.sum() / denom * dp_size
+    if loss_agg_mode == "token-sum":
+        return masked.sum() * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
+        token_count = mask.sum(dim=-1)
+        seq_losses = masked.sum(dim=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (token_count + 1e-8)
+        seq_mask = (token_count > 0).to(masked.dtype)
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError(f"{loss_agg_mode} with dp_size > 1 needs the global global_batch_size "
+                                 "(config.global_batch_info['global_batch_size'])")
+            global_batch_size = seq_mask.sum()
+        denom = torch.clamp(_as_float_tensor(global_batch_size, masked), min=1.0)
+        loss = (seq_losses * seq_mask).sum() / denom * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
+        return loss
+    raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg_mode!r}")
+
+
+def check_inputs(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, rollout_is_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Validate shapes and finiteness on valid tokens; returns the boolean valid mask.
+
+    Non-finite values on padding are fine (engines leave garbage there); on valid tokens they are an error that says
+    how many and where, because silently dropping them corrupts the update.
+    """
+    shape = response_mask.shape
+    if response_mask.dim() != 2:
+        raise ValueError(f"{name}: response_mask must be (batch, response_len), got shape {tuple(shape)}")
+    for label, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages),
+                     ("rollout_is_weights", rollout_is_weights)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name}: {label} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                             "(the shape of response_mask)")
+    valid = response_mask.bool()
+    if valid.numel() == 0:
+        return valid
+    with torch.no_grad():
+        bad_parts = [~torch.isfinite(t.detach()) & valid for t in (log_prob, old_log_prob, advantages)]
+        counts = torch.stack([b.sum() for b in bad_parts]).tolist()  # one host sync for all three
+    if any(counts):
+        where = []
+        for label, bad, n in zip(("log_prob", "old_log_prob", "advantages"), bad_parts, counts):
+            if n:
+                first = bad.nonzero()[0].tolist()
+                where.append(f"{label}: {n} (first at row {first[0]}, token {first[1]})")
+        hint = ("check the rollout engine's behaviour log-probs (a token sampled outside top-k/top-p has -inf "
+                "log-prob: sample with top_k=0, top_p=1) and the reward/advantage normalisation (0/0 gives NaN)")
+        raise ValueError(f"{name}: non-finite values on valid tokens: {'; '.join(where)}; {hint}")
+    return valid
+
+
+def straight_through_clamp(x: torch.Tensor, bound: float = LOG_RATIO_CLAMP) -> torch.Tensor:
+    """Forward value clamp(x, -bound, bound); gradient of the identity."""
+    return x + (x.clamp(-bound, bound) - x).detach()
+
+
+def masked_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log(pi_theta/pi_behaviour) in fp32, zero (and gradient-free) on padding."""
+    d = log_prob.float() - old_log_prob.detach().float()
+    return torch.where(valid, d, torch.zeros_like(d))

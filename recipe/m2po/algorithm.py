@@ -1,0 +1,279 @@
+"""M2PO: Second-Moment Trust Policy Optimization (Zheng, Zhao, Chen, ICLR 2026, arXiv 2510.01161), Algorithm 1.
+
+Pure torch. With d = log(pi_theta / pi_behaviour) per token and A the advantage:
+
+1. Trust-region set T: valid tokens with (A > 0 and d > 0) or (A < 0 and d < 0). Strict, per token, so A == 0 or
+   r == 1 is never in T. (d > 0 is r > 1 without the rounding of exp.)
+2. Selection: while T is non-empty and mean_{T} d^2 > tau, mask the token of T with the largest d^2 and drop it
+   from T. Only tokens of T are ever masked. Among equal d^2 the later token (row-major over the batch, ranks in
+   order) is masked first, so the result is deterministic.
+3. Objective: loss = -sum_valid(keep * A * r) / (number of ALL valid tokens); no epsilon-clip. The mask is a
+   constant (no gradient). The forward value of d is clamped to +-20 with a straight-through gradient; the
+   selection uses the unclamped d.
+
+Fast selection. A token with d^2 <= tau can never be masked: the prefix means of the ascending d^2 of T never
+decrease, and a prefix ending at a value <= tau has mean <= tau. So only the "high" tokens (d^2 > tau) are sorted,
+and the low ones enter as one sum and one count. Under a realistic stale distribution the high set is a few per cent
+of the tokens, so the cost is one elementwise pass plus a small sort, with a constant number of host syncs.
+
+Across data-parallel ranks (``group``), each rank contributes its low sum/count (all_reduce) and its high values
+(all_gather of variable-length lists), and every rank takes the identical decision; a rank with no tokens still
+joins the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from recipe.common import (
+    agg_loss,
+    cfg_lookup,
+    check_inputs,
+    global_batch_info,
+    masked_log_ratio,
+    read_float,
+    straight_through_clamp,
+)
+
+DEFAULT_M2_THRESHOLD = 0.04
+THRESHOLD_KEYS = ("policy_loss.m2_threshold", "m2_threshold")
+SCOPE_KEYS = ("policy_loss.m2_scope", "m2_scope")
+SCOPES = ("local", "dp_group")
+
+METRIC_KEYS = (
+    "m2po/m2_before",
+    "m2po/m2_after",
+    "m2po/masked_fraction",
+    "m2po/trust_region_fraction",
+    "m2po/num_valid_tokens",
+    "m2po/num_trust_region_tokens",
+    "m2po/num_masked_tokens",
+    "m2po/threshold",
+)
+
+
+@dataclass
+class M2POSelection:
+    """Result of Algorithm 1. Counts and means are over the whole selection scope (all ranks of ``group``)."""
+
+    keep_mask: torch.Tensor  # bool, same shape as the inputs; False exactly on masked tokens and on padding
+    trust_region: torch.Tensor  # bool, the local trust-region set T
+    num_valid: int
+    num_trust_region: int
+    num_masked: int
+    m2_before: float  # mean d^2 over T before masking (0 when T is empty)
+    m2_after: float  # mean d^2 over the kept tokens of T (0 when none is kept)
+    threshold: float
+
+    def metrics(self) -> dict[str, float]:
+        valid = max(self.num_valid, 1)
+        return {
+            "m2po/m2_before": float(self.m2_before),
+            "m2po/m2_after": float(self.m2_after),
+            "m2po/masked_fraction": self.num_masked / valid,
+            "m2po/trust_region_fraction": self.num_trust_region / valid,
+            "m2po/num_valid_tokens": float(self.num_valid),
+            "m2po/num_trust_region_tokens": float(self.num_trust_region),
+            "m2po/num_masked_tokens": float(self.num_masked),
+            "m2po/threshold": float(self.threshold),
+        }
+
+
+def m2_threshold_from_config(config: Any) -> float:
+    """tau from ``config.policy_loss.m2_threshold``, else ``config.m2_threshold``, else 0.04."""
+    return read_float(config, THRESHOLD_KEYS, DEFAULT_M2_THRESHOLD, minimum=0.0)
+
+
+def m2_scope_from_config(config: Any) -> str:
+    scope, path = cfg_lookup(config, SCOPE_KEYS, "local")
+    if scope not in SCOPES:
+        raise ValueError(f"{path} must be one of {', '.join(SCOPES)}, got {scope!r}")
+    return scope
+
+
+def trust_region_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """T: valid tokens in the PPO trust-region quadrants (A>0, r>1) or (A<0, r<1), strict."""
+    d = log_ratio.detach()
+    a = advantages.detach()
+    return valid.bool() & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+
+
+def _validate_threshold(tau: float) -> float:
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(float(tau)) or tau < 0:
+        raise ValueError(f"m2_threshold must be a finite number >= 0, got {tau!r}")
+    return float(tau)
+
+
+@torch.no_grad()
+def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, tau: float,
+                *, group: Optional[Any] = None) -> M2POSelection:
+    """Algorithm 1 over all valid tokens of the given tensors (and of every rank of ``group``, if given).
+
+    ``log_ratio`` is log(pi_theta/pi_behaviour); any float dtype (squared in fp32). Returns the keep mask and the
+    diagnostics. With ``group``, every rank of the group must call this the same number of times.
+    """
+    tau = _validate_threshold(tau)
+    valid = response_mask.bool()
+    d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), dtype=torch.float32, device=valid.device))
+    sq = d * d
+    in_t = trust_region_mask(d, advantages, valid)
+    high = in_t & (sq > tau)
+    low = in_t & ~high
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=torch.float32, device=sq.device)
+    # [low sum, low count, valid count]: low d^2 are never masked, so they enter only as a sum and a count.
+    totals = torch.stack([
+        torch.where(low, sq, zero).sum(dtype=f64),
+        low.sum().to(f64),
+        valid.sum().to(f64),
+    ])
+    flat_idx = high.flatten().nonzero().squeeze(1)  # row-major = token order; the one data-dependent sync
+    high_vals = sq.flatten()[flat_idx]
+
+    if group is not None:
+        all_vals, offset = _gather_variable(high_vals, group)
+        torch.distributed.all_reduce(totals, group=group)
+    else:
+        all_vals, offset = high_vals, 0
+
+    low_sum, low_count, num_valid = totals[0], totals[1], totals[2]
+    # Stable ascending sort: among ties the earlier token sorts first and is kept longer (later ones go first).
+    sorted_vals, order = torch.sort(all_vals, stable=True)
+    sorted64 = sorted_vals.to(f64)
+    prefix_sum = low_sum + torch.cumsum(sorted64, 0)
+    prefix_cnt = low_count + torch.arange(1, sorted64.numel() + 1, device=sq.device, dtype=f64)
+    within = (prefix_sum / prefix_cnt) <= tau
+    # Prefix means are non-decreasing; count the leading run anyway so rounding can never produce a hole.
+    n_keep_high = within.to(torch.int64).cumprod(0).sum()
+    keep_sorted = torch.arange(sorted64.numel(), device=sq.device) < n_keep_high
+    keep_all = torch.empty_like(keep_sorted)
+    keep_all[order] = keep_sorted
+    keep_high_local = keep_all[offset:offset + high_vals.numel()]
+
+    keep_flat = valid.flatten().clone()
+    keep_flat[flat_idx] = keep_high_local
+    keep_mask = keep_flat.view_as(valid)
+
+    kept_high_sum = (sorted64 * keep_sorted).sum()
+    n_high = torch.tensor(float(sorted64.numel()), dtype=f64, device=sq.device)
+    n_keep_f = n_keep_high.to(f64)
+    kept_sum = low_sum + kept_high_sum
+    kept_cnt = low_count + n_keep_f
+    all_sum = low_sum + sorted64.sum()
+    all_cnt = low_count + n_high
+    stats = torch.stack([
+        num_valid, all_cnt, n_high - n_keep_f,
+        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+        torch.where(kept_cnt > 0, kept_sum / kept_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+    ]).tolist()
+    return M2POSelection(
+        keep_mask=keep_mask, trust_region=in_t, num_valid=int(stats[0]), num_trust_region=int(stats[1]),
+        num_masked=int(stats[2]), m2_before=stats[3], m2_after=stats[4], threshold=tau,
+    )
+
+
+def _gather_variable(values: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
+    """all_gather 1-D tensors of different lengths; returns (concatenation in rank order, this rank's offset)."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    count = torch.tensor([values.numel()], dtype=torch.int64, device=values.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = torch.cat(counts).tolist()
+    width = max(max(sizes), 1)
+    padded = torch.zeros(width, dtype=values.dtype, device=values.device)
+    padded[:values.numel()] = values
+    chunks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=group)
+    gathered = torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)])
+    return gathered, int(sum(sizes[:rank]))
+
+
+def selection_from_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                        keep_mask: torch.Tensor, tau: float) -> M2POSelection:
+    """Diagnostics of a precomputed keep mask, restricted to these tensors (e.g. one micro-batch)."""
+    with torch.no_grad():
+        valid = response_mask.bool()
+        d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), device=valid.device))
+        sq = d * d
+        in_t = trust_region_mask(d, advantages, valid)
+        keep = keep_mask.bool() & valid
+        kept_t = in_t & keep
+        f64 = torch.float64
+        zero = torch.zeros((), dtype=torch.float32, device=sq.device)
+        t_sum = torch.where(in_t, sq, zero).sum(dtype=f64)
+        k_sum = torch.where(kept_t, sq, zero).sum(dtype=f64)
+        n_t = in_t.sum().to(f64)
+        n_k = kept_t.sum().to(f64)
+        stats = torch.stack([
+            valid.sum().to(f64), n_t, (valid & ~keep).sum().to(f64),
+            torch.where(n_t > 0, t_sum / n_t.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+            torch.where(n_k > 0, k_sum / n_k.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+        ]).tolist()
+    return M2POSelection(keep_mask=keep, trust_region=in_t, num_valid=int(stats[0]), num_trust_region=int(stats[1]),
+                         num_masked=int(stats[2]), m2_before=stats[3], m2_after=stats[4], threshold=float(tau))
+
+
+def _scope_group(scope: str) -> Optional[Any]:
+    if scope == "local":
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("m2_scope='dp_group' needs an initialised torch.distributed default process group; "
+                         "use m2_scope='local' in a single process")
+    return dist.group.WORLD
+
+
+def m2po_batch_selector(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, *, config: Any = None, group: Optional[Any] = None,
+                        ) -> dict[str, Any]:
+    """Select once over a whole optimizer mini-batch (all its micro-batches; all ranks of ``group``).
+
+    Returns ``{"keep_mask": ..., "selection": M2POSelection}``; the runtime passes ``keep_mask`` (sliced per
+    micro-batch) back to :func:`compute_policy_loss_m2po`, so splitting the mini-batch cannot change the update.
+    """
+    tau = m2_threshold_from_config(config)
+    valid = check_inputs("m2po", old_log_prob, log_prob, advantages, response_mask)
+    d = masked_log_ratio(old_log_prob, log_prob.detach(), valid)
+    selection = select_m2po(d, advantages, valid, tau, group=group)
+    return {"keep_mask": selection.keep_mask, "selection": selection}
+
+
+def compute_policy_loss_m2po(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    keep_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The M2PO policy loss with verl's signature.
+
+    ``keep_mask`` (optional): a mask selected beforehand over the whole mini-batch (see
+    :func:`m2po_batch_selector`). Without it the selection runs over this call's tensors, or across the default
+    process group when ``m2_scope: dp_group``.
+    """
+    tau = m2_threshold_from_config(config)
+    valid = check_inputs("m2po", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    d = masked_log_ratio(old_log_prob, log_prob, valid)
+    if keep_mask is None:
+        selection = select_m2po(d, advantages, valid, tau, group=_scope_group(m2_scope_from_config(config)))
+    else:
+        if keep_mask.shape != valid.shape:
+            raise ValueError(f"m2po: keep_mask has shape {tuple(keep_mask.shape)}, expected {tuple(valid.shape)}")
+        selection = selection_from_mask(d, advantages, valid, keep_mask, tau)
+    keep = selection.keep_mask & valid
+    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    ratio = torch.exp(straight_through_clamp(d))
+    per_token = torch.where(keep, -adv * ratio, torch.zeros_like(ratio))
+    if rollout_is_weights is not None:
+        per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
+    loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))
+    return loss, selection.metrics()
