@@ -1,0 +1,176 @@
+"""Seeded generator of GSM8K-format arithmetic problems (short enough for a char-level model).
+
+Tasks:
+
+* ``add``: question ``53+5=?``, worked answer ``#### 58`` (single step: the answer is just the final line).
+  With the char tokenizer's prompt ``Q: {question} A:`` and target ``" " + answer`` this is the measured
+  ``add:99`` default of docs ``cpu-tiny-model.md``.
+* ``addcot``: question ``53+5=?``, worked answer ``53+5=58 #### 58``.
+* ``word``: a two-step word problem, ``Tom has 36 apples. He buys 13 more and gives 20 away. How many apples does
+  he have now?`` with worked answer ``36+13=49. 49-20=29. #### 29``. Results are never negative.
+
+Operands are uniform in ``[0, max_operand]`` (``word``: ``a, b`` in ``[1, max_operand]``, the amount taken away in
+``[1, min(max_operand, a+b)]``).
+
+Splits: the test set is ``test_size`` distinct problems; the train set is ``train_size`` problems drawn (with
+repetition) from the rest, so no train problem has the numbers of a test problem. Both depend only on
+``(task, max_operand, seed, test_size)`` (and the train set on ``train_size`` as a prefix), never on global RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Iterable
+
+from stalerl.data.example import Example
+
+__all__ = ["TASKS", "generate_synthetic", "synthetic_splits", "write_gsm8k_jsonl", "problem_space_size"]
+
+TASKS = ("add", "addcot", "word")
+
+_NAMES = (
+    ("Tom", "He", "he"), ("Anna", "She", "she"), ("Ben", "He", "he"), ("Mia", "She", "she"),
+    ("Sam", "He", "he"), ("Lucy", "She", "she"), ("Max", "He", "he"), ("Emma", "She", "she"),
+    ("Leo", "He", "he"), ("Nora", "She", "she"), ("Jack", "He", "he"), ("Lily", "She", "she"),
+)
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "coins", "cards", "shells", "stamps")
+_TEMPLATES = (
+    "{N} has {a} {item}. {P} buys {b} more and gives {c} away. How many {item} does {p} have now?",
+    "{N} has {a} {item}. {P} finds {b} more and loses {c}. How many {item} does {p} have now?",
+    "{N} has {a} {item}. {P} gets {b} more from a friend and then uses {c}. How many {item} are left?",
+    "{N} had {a} {item} and got {b} more. Then {p} sold {c}. How many {item} does {p} have left?",
+)
+
+
+def _check(task: str, max_operand: int, train_size: int, test_size: int) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+    low = 1 if task == "word" else 0
+    if not isinstance(max_operand, int) or isinstance(max_operand, bool) or max_operand < low:
+        raise ValueError(f"max_operand must be an integer >= {low} for task {task!r}, got {max_operand!r}")
+    for name, value in (("train_size", train_size), ("test_size", test_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def problem_space_size(task: str, max_operand: int) -> int:
+    """How many distinct problems (by their numbers) the task has."""
+    m = max_operand
+    if task in ("add", "addcot"):
+        return (m + 1) ** 2
+    if task == "word":
+        if m > 2000:  # large enough that the exact count never matters; avoid the O(m^2) sum
+            return m * m * m
+        return sum(min(m, a + b) for a in range(1, m + 1) for b in range(1, m + 1))
+    raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def _draw_key(task: str, rng: random.Random, m: int) -> tuple:
+    if task == "word":
+        a = rng.randint(1, m)
+        b = rng.randint(1, m)
+        c = rng.randint(1, min(m, a + b))
+        return (a, b, c)
+    return (rng.randint(0, m), rng.randint(0, m))
+
+
+def _render(task: str, key: tuple, rng: random.Random) -> Example:
+    if task == "add":
+        a, b = key
+        return Example(question=f"{a}+{b}=?", answer=f"#### {a + b}", final=str(a + b))
+    if task == "addcot":
+        a, b = key
+        return Example(question=f"{a}+{b}=?", answer=f"{a}+{b}={a + b} #### {a + b}", final=str(a + b))
+    a, b, c = key
+    name, cap, low = rng.choice(_NAMES)
+    item = rng.choice(_ITEMS)
+    template = rng.choice(_TEMPLATES)
+    s = a + b
+    r = s - c
+    assert r >= 0
+    question = template.format(N=name, P=cap, p=low, a=a, b=b, c=c, item=item)
+    return Example(question=question, answer=f"{a}+{b}={s}. {s}-{c}={r}. #### {r}", final=str(r))
+
+
+def _rng(task: str, max_operand: int, seed: int, split: str) -> random.Random:
+    # str seeds are hashed with SHA-512 by random.Random: stable across runs and platforms (no PYTHONHASHSEED).
+    return random.Random(f"stalerl.synthetic/{task}/{max_operand}/{seed}/{split}")
+
+
+def _test_keys(task: str, max_operand: int, test_size: int, seed: int) -> list[tuple]:
+    space = problem_space_size(task, max_operand)
+    if test_size > space // 2:
+        raise ValueError(
+            f"synthetic task {task!r} with max_operand={max_operand} has only {space} distinct problems; "
+            f"test_size={test_size} must be at most half of that ({space // 2}) so the train split keeps enough "
+            "unseen problems. Lower test_size or raise max_operand."
+        )
+    rng = _rng(task, max_operand, seed, "test-keys")
+    keys: list[tuple] = []
+    seen: set = set()
+    while len(keys) < test_size:
+        key = _draw_key(task, rng, max_operand)
+        if key not in seen:
+            seen.add(key)
+            keys.append(key)
+    return keys
+
+
+def synthetic_splits(
+    task: str = "add",
+    *,
+    max_operand: int = 99,
+    train_size: int = 20000,
+    test_size: int = 256,
+    seed: int = 1234,
+) -> tuple[list[Example], list[Example]]:
+    """``(train, test)`` example lists, disjoint by problem numbers and deterministic in the arguments."""
+    _check(task, max_operand, train_size, test_size)
+    test_keys = _test_keys(task, max_operand, test_size, seed)
+    text_rng = _rng(task, max_operand, seed, "test-text")
+    test = [_render(task, k, text_rng) for k in test_keys]
+    held_out = set(test_keys)
+    rng = _rng(task, max_operand, seed, "train")
+    train: list[Example] = []
+    while len(train) < train_size:
+        key = _draw_key(task, rng, max_operand)
+        if key in held_out:
+            continue
+        train.append(_render(task, key, rng))
+    return train, test
+
+
+def generate_synthetic(
+    task: str,
+    split: str,
+    *,
+    max_operand: int = 99,
+    train_size: int = 20000,
+    test_size: int = 256,
+    seed: int = 1234,
+) -> list[Example]:
+    """One split (``"train"`` or ``"test"``) of ``synthetic_splits``. The test split is the same whatever
+    ``train_size``; asking for the test split does not generate the train split."""
+    if split == "test":
+        _check(task, max_operand, train_size, test_size)
+        text_rng = _rng(task, max_operand, seed, "test-text")
+        return [_render(task, k, text_rng) for k in _test_keys(task, max_operand, test_size, seed)]
+    if split == "train":
+        return synthetic_splits(
+            task, max_operand=max_operand, train_size=train_size, test_size=test_size, seed=seed
+        )[0]
+    raise ValueError(f"synthetic split must be 'train' or 'test', got {split!r}")
+
+
+def write_gsm8k_jsonl(examples: Iterable[Example], path: str) -> str:
+    """Write examples as GSM8K JSON lines (``{"question": ..., "answer": ...}``); returns ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps({"question": ex.question, "answer": ex.answer}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path

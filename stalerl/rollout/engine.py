@@ -1,0 +1,122 @@
+"""Rollout engines: generate n samples per prompt and return a :class:`RolloutBatch` with rewards.
+
+Every engine returns, per response token, the behaviour log-prob under the distribution it actually sampled from
+(temperature applied; top-k/top-p truncation included when enabled) and the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from stalerl.rollout.batch import RolloutBatch
+
+RewardFn = Callable[[str, str], float]
+
+
+class RolloutEngine(Protocol):
+    version: int
+
+    def generate(self, questions: Sequence[str], answers: Sequence[str], *, n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 ) -> RolloutBatch: ...
+
+    def set_version(self, version: int) -> None: ...
+
+
+def parse_engine(backend: str) -> str:
+    return backend.split(":", 1)[0]
+
+
+class HFRolloutEngine:
+    """transformers ``generate`` on a causal LM (the trainer's own module when they share a process).
+
+    ``format_prompt`` turns a question into the prompt text (chat template or the tiny model's ``Q: .. A:``);
+    ``reward_fn(completion, answer)`` scores each response.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
+                 *, device: Optional[torch.device] = None, version: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.format_prompt = format_prompt
+        self.reward_fn = reward_fn
+        self.device = device or next(model.parameters()).device
+        self.version = version
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        if self.pad_id is None or self.eos_id is None:
+            raise ValueError("the tokenizer needs pad and eos tokens for batched generation")
+        self.last_generate_seconds = 0.0
+
+    def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Install a complete weight set, then its version (never a half-written one: load_state_dict is atomic
+        from the sampler's point of view because sampling runs in this same thread)."""
+        self.model.load_state_dict(state_dict)
+        self.set_version(version)
+
+    def tokenize_prompts(self, questions: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = [self.format_prompt(q) for q in questions]
+        self.tokenizer.padding_side = "left"
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device).bool()
+
+    @torch.no_grad()
+    def generate(self, questions: Sequence[str], answers: Sequence[str], *, n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 ) -> RolloutBatch:
+        start = time.perf_counter()
+        prompt_ids, prompt_mask = self.tokenize_prompts(questions)
+        prompt_ids = prompt_ids.repeat_interleave(n_samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n_samples, dim=0)
+        group_ids = torch.arange(len(questions)).repeat_interleave(n_samples)
+        was_training = self.model.training
+        self.model.eval()
+        kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                      return_dict_in_generate=True)
+        if greedy:
+            kwargs.update(do_sample=False)
+        else:
+            # top_k=0 explicitly: transformers otherwise applies top_k=50 silently, and the behaviour log-probs
+            # would no longer be the policy's softmax.
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, output_scores=True)
+        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), **kwargs)
+        if was_training:
+            self.model.train()
+        response_ids = out.sequences[:, prompt_ids.shape[1]:]
+        response_mask = _mask_through_first_eos(response_ids, self.eos_id)
+        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
+        if greedy:
+            behavior_logp = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
+        else:
+            # scores are the processed logits the sampler drew from (temperature, top-p/top-k applied).
+            scores = torch.stack(out.scores, dim=1).float()
+            logp = torch.log_softmax(scores, dim=-1)
+            behavior_logp = logp.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+            behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
+        texts = self.tokenizer.batch_decode(
+            [ids[m].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())], skip_special_tokens=True)
+        row_answers = [answers[i // n_samples] for i in range(len(texts))]
+        rewards = torch.tensor([float(self.reward_fn(t, a)) for t, a in zip(texts, row_answers)],
+                               dtype=torch.float32)
+        versions = torch.where(response_mask.cpu(), torch.full(response_mask.shape, self.version, dtype=torch.long),
+                               torch.full(response_mask.shape, -1, dtype=torch.long))
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(), response_ids=response_ids.cpu(),
+            response_mask=response_mask.cpu(), behavior_logp=behavior_logp.cpu(), versions=versions,
+            rewards=rewards, group_ids=group_ids, texts=texts, answers=row_answers,
+        )
+        self.last_generate_seconds = time.perf_counter() - start
+        return batch
+
+
+def _mask_through_first_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """True for tokens up to and including the first eos of each row (all tokens if there is none)."""
+    is_eos = ids == eos_id
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # eos strictly before this position
+    return eos_before == 0

@@ -1,0 +1,249 @@
+"""The training loop, top to bottom: build everything from the config, warm start, then
+generate -> (stale FIFO) -> reward/advantage -> registered loss update -> log / evaluate / checkpoint.
+
+This is the synchronous and fixed-staleness loop (rollout.max_head_offpolicyness = 0). Rollout and training share
+one process and one model here, so the engine always samples from the trainer's current weights.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from stalerl.actor import Actor
+from stalerl.advantage import grpo_advantages, shaped_rewards
+from stalerl.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
+from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
+from stalerl.data import PromptDataset, load_examples
+from stalerl.metrics_log import MetricsLogger, Progress, format_summary
+from stalerl.model import PromptFormatter, load_policy, resolve_device
+from stalerl.reward import gsm8k_reward
+from stalerl.rollout.batch import RolloutBatch
+from stalerl.rollout.engine import HFRolloutEngine
+from stalerl.staleness import StaleFIFO, staleness_stats
+from stalerl.warm_start import warm_start
+
+SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
+                "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
+    per_epoch = num_train_examples // cfg.train_dataset.batch_size
+    if not cfg.train_dataset.drop_last and num_train_examples % cfg.train_dataset.batch_size:
+        per_epoch += 1
+    steps = per_epoch * cfg.total_train_epochs
+    if cfg.total_train_steps is not None:
+        steps = min(steps, cfg.total_train_steps) if steps > 0 else cfg.total_train_steps
+    return max(0, steps)
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, *, log=print):
+        self.cfg = cfg
+        self.log = log
+        torch.set_num_threads(cfg.torch_threads)
+        seed_everything(cfg.seed)
+        self.run_dir = run_dir(cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved_config(cfg, self.run_dir / "config.yaml")
+
+        # Data first: a wrong path fails before the model is built.
+        self.train_examples = self._load_split(cfg.train_dataset)
+        self.valid_examples = self._load_split(cfg.valid_dataset)
+
+        self.device = resolve_device(cfg.actor.device)
+        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
+        self.model, self.tokenizer = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype,
+                                                 device=str(self.device), seed=cfg.seed)
+        if cfg.actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.formatter = PromptFormatter(self.tokenizer)
+        self.train_examples = self._filter_by_prompt_tokens(self.train_examples, cfg.train_dataset, "train_dataset")
+        self.valid_examples = self._filter_by_prompt_tokens(self.valid_examples, cfg.valid_dataset,
+                                                            "valid_dataset")[:cfg.evaluator.n_prompts]
+        self.dataset = PromptDataset(self.train_examples, batch_size=cfg.train_dataset.batch_size,
+                                     shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last,
+                                     seed=cfg.seed)
+        self.total_steps = total_steps(cfg, len(self.train_examples))
+        self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature,
+                           total_updates=self.total_steps * cfg.actor.ppo_n_minibatches)
+        self.engine = HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
+                                      device=self.device)
+        self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)
+        self.step = 0  # optimizer steps taken = the trainer's weight version
+        self.warm_start_done = False
+
+    # ------------------------------------------------------------------ pieces
+    @staticmethod
+    def _load_split(ds) -> list:
+        return load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task, max_operand=ds.synthetic.max_operand,
+                             train_size=ds.synthetic.train_size, test_size=ds.synthetic.test_size,
+                             seed=ds.synthetic.seed)
+
+    def _filter_by_prompt_tokens(self, examples: list, ds, key: str) -> list:
+        """Drop examples whose formatted prompt is longer than ``max_length`` tokens."""
+        if ds.max_length is None:
+            return examples
+        kept = [e for e in examples
+                if len(self.tokenizer(self.formatter.format(e.question), add_special_tokens=False)["input_ids"])
+                <= ds.max_length]
+        if not kept:
+            raise ValueError(f"{key}.max_length={ds.max_length} drops every example of {ds.path!r}; raise it")
+        return kept
+
+    def generate_batch(self) -> RolloutBatch:
+        g = self.cfg.gconfig
+        examples = self.dataset.next_batch()
+        self.engine.set_version(self.step)
+        batch = self.engine.generate([e.question for e in examples], [e.final for e in examples],
+                                     n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
+                                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+        if self.cfg.actor.behavior_logp == "recompute":
+            # The authors' choice: behaviour log-probs from the training engine at the generating weights (which
+            # are the current weights at generation time in this loop), so train/infer mismatch stays out of M2.
+            batch.behavior_logp = self.actor.compute_logp(batch)
+        self._gen_seconds += self.engine.last_generate_seconds
+        self._gen_tokens += batch.num_response_tokens
+        return batch
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        g = self.cfg.eval_gconfig
+        correct = 0.0
+        bs = self.cfg.valid_dataset.batch_size
+        for i in range(0, len(self.valid_examples), bs):
+            chunk = self.valid_examples[i:i + bs]
+            out = self.engine.generate([e.question for e in chunk], [e.final for e in chunk], n_samples=g.n_samples,
+                                       max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                       top_k=g.top_k, greedy=g.greedy)
+            correct += float(out.rewards.sum())
+        n = max(1, len(self.valid_examples) * g.n_samples)
+        return {"eval/accuracy": correct / n}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"actor": self.actor.state_dict(), "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
+                "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.dataset.load_state_dict(state["dataset"])
+        self.fifo.load_state_dict(state["fifo"])
+        self.step = int(state["step"])
+        self.warm_start_done = bool(state["warm_start_done"])
+        restore_rng_state(state["rng"])
+
+    def maybe_recover(self) -> Optional[int]:
+        mode = self.cfg.recover.mode
+        if mode == "disabled":
+            return None
+        found = load_latest_checkpoint(self.run_dir)
+        if found is None:
+            if mode == "resume":
+                raise FileNotFoundError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
+                                        "use recover.mode=auto to start fresh when none exists")
+            return None
+        step, state = found
+        self.restore(state)
+        self.log(f"resumed from checkpoint at step {step} ({self.run_dir})")
+        return step
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        resumed = self.maybe_recover()
+        if resumed is None:
+            self._set_aside_previous_metrics()
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed)
+        if not self.warm_start_done:
+            summary = warm_start(self.model, self.tokenizer, self.formatter.format, self.formatter.sft_target,
+                                 self.train_examples, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
+                                 lr=cfg.warm_start.lr, seed=cfg.seed, log=self.log)
+            self.warm_start_done = True
+            if cfg.evaluator.at_start and cfg.evaluator.freq_steps:
+                summary.update(self.evaluate())
+            logger.log(0, summary)
+            self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
+        progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
+        last: dict[str, Any] = {}
+        while self.step < self.total_steps:
+            last = self.train_step()
+            step = self.step
+            if cfg.evaluator.freq_steps and (step % cfg.evaluator.freq_steps == 0 or step == self.total_steps):
+                last.update(self.evaluate())
+            logger.log(step, last)
+            progress.update(step, last)
+            if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
+                self.log(format_summary(step, last, SUMMARY_KEYS))
+            if cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
+                save_checkpoint(self.run_dir, step, self.checkpoint_state(), keep_last=cfg.recover.keep_last)
+        progress.close()
+        logger.close()
+        if cfg.saver.save_final:
+            self.save_model(self.run_dir / "final_model")
+        return last
+
+    def _set_aside_previous_metrics(self) -> None:
+        """A fresh start in a used run directory keeps the old metrics under another name instead of mixing them."""
+        old = self.run_dir / "metrics.jsonl"
+        if old.exists():
+            aside = old.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            old.rename(aside)
+            self.log(f"fresh start: previous metrics moved to {aside}")
+
+    def train_step(self) -> dict[str, Any]:
+        self._gen_seconds, self._gen_tokens = 0.0, 0
+        t0 = time.perf_counter()
+        batch = self.fifo.next_batch(self.generate_batch)
+        t_gen = time.perf_counter() - t0
+        a = self.cfg.actor
+        rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
+                                 norm=a.reward_norm)
+        advantages = grpo_advantages(rewards, batch.group_ids, batch.response_mask, adv_norm=a.adv_norm)
+        stale = staleness_stats(batch, self.step)
+        t1 = time.perf_counter()
+        metrics = self.actor.update(batch, advantages)
+        t_train = time.perf_counter() - t1
+        self.step += 1
+        metrics.update(stale)
+        metrics.update(self.batch_metrics(batch))
+        train_tokens = float(batch.attention_mask().sum())
+        metrics.update({
+            "timing/gen_s": t_gen, "timing/train_s": t_train, "timing/step_s": time.perf_counter() - t0,
+            "throughput/gen_tokens_per_s": self._gen_tokens / self._gen_seconds if self._gen_seconds else 0.0,
+            "throughput/train_tokens_per_s": train_tokens / t_train if t_train else 0.0,
+            "version": float(self.step),
+        })
+        return metrics
+
+    @staticmethod
+    def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+        r = batch.rewards
+        _, inv = torch.unique(batch.group_ids, return_inverse=True)
+        n_groups = int(inv.max()) + 1 if inv.numel() else 0
+        gmax = torch.full((n_groups,), -float("inf")).scatter_reduce(0, inv, r, "amax")
+        gmin = torch.full((n_groups,), float("inf")).scatter_reduce(0, inv, r, "amin")
+        return {
+            "reward": float(r.mean()) if r.numel() else 0.0,
+            "accuracy": float((r >= 1.0).float().mean()) if r.numel() else 0.0,
+            "groups_with_signal": float((gmax > gmin).float().mean()) if n_groups else 0.0,
+            "response_length": float(batch.response_mask.sum(dim=1).float().mean()) if r.numel() else 0.0,
+        }
+
+    def save_model(self, path: os.PathLike) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def run(cfg: ExperimentConfig) -> dict[str, Any]:
+    return Trainer(cfg).train()

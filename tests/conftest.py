@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny policy and small configs, so runtime tests take seconds on 2 cores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = REPO / "examples" / "math" / "gsm8k_m2po_cpu.yaml"
+
+# One thread per test process keeps timings stable and avoids oversubscribing the 2 CI cores.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def small_overrides(tmp_path: Path, **extra) -> list[str]:
+    """Overrides that shrink the embedded default to a few seconds of work."""
+    base = {
+        "cluster.fileroot": str(tmp_path / "runs"),
+        "total_train_steps": 6,
+        "torch_threads": 1,
+        "warm_start.steps": 10,
+        "warm_start.batch_size": 16,
+        "train_dataset.batch_size": 8,
+        "train_dataset.synthetic.train_size": 400,
+        "gconfig.n_samples": 4,
+        "evaluator.freq_steps": 3,
+        "evaluator.n_prompts": 16,
+        "valid_dataset.batch_size": 16,
+        "stats_logger.progress_bar": False,
+        "stats_logger.tensorboard": False,
+        "stats_logger.log_every": 1000,
+        "recover.mode": "disabled",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def tiny_policy():
+    from stalerl.model import load_policy
+
+    torch.manual_seed(0)
+    model, tok = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=0)
+    return model, tok

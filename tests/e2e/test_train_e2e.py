@@ -1,0 +1,113 @@
+"""End-to-end: the main script trains, logs, evaluates, checkpoints, and resumes after SIGKILL exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CPU_CONFIG, REPO, small_overrides
+from stalerl.config import load_config
+from stalerl.metrics_log import read_metrics
+
+SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
+TIMING_PREFIXES = ("timing/", "throughput/")
+
+
+def _run_script(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(SCRIPT), "--config", str(CPU_CONFIG), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES) and not k.startswith("warm_start/sec")}
+            for r in rows]
+
+
+@pytest.mark.slow
+def test_short_run_logs_every_step_with_staleness_ramp(tmp_path):
+    from stalerl.trainer import Trainer
+
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{"rollout.fixed_staleness": 2})])
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.train()
+    run = Path(cfg.cluster.fileroot) / cfg.experiment_name / cfg.trial_name
+    rows = read_metrics(run)
+    steps = [r["step"] for r in rows]
+    assert steps == [0, 1, 2, 3, 4, 5, 6]
+    train_rows = rows[1:]
+    # Stale-2 FIFO: the first batches all come from the starting weights, then every batch is exactly 2 versions old.
+    assert [r["staleness/max"] for r in train_rows] == [0, 1, 2, 2, 2, 2]
+    assert [r["staleness/min"] for r in train_rows] == [0, 1, 2, 2, 2, 2]
+    for r in train_rows:
+        for key in ("reward", "accuracy", "actor/loss", "actor/grad_norm", "actor/m2po/m2_before",
+                    "actor/m2po/masked_fraction", "actor/m2po/trust_region_fraction", "timing/gen_s",
+                    "timing/train_s", "throughput/gen_tokens_per_s", "staleness/hist"):
+            assert key in r, key
+        assert 0.0 <= r["reward"] <= 1.0
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[3] and "eval/accuracy" in rows[6]
+    saved = load_config(["--config", str(run / "config.yaml")])
+    assert saved.rollout.fixed_staleness == 2 and saved.actor.loss == "m2po"
+    assert (run / "final_model" / "config.json").exists()
+    # the saved final model reloads through the real loader
+    from stalerl.model import load_policy
+
+    model, tok = load_policy(str(run / "final_model"), device="cpu")
+    assert tok.decode(tok("12+7=?")["input_ids"]) == "12+7=?"
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_logs_the_same_metrics(tmp_path):
+    common = small_overrides(tmp_path, **{
+        "total_train_steps": 8, "recover.mode": "auto", "recover.freq_steps": 2, "rollout.fixed_staleness": 1,
+        "evaluator.freq_steps": 4})
+    reference = _run_script([*common, "trial_name=uninterrupted"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [sys.executable, str(SCRIPT), "--config", str(CPU_CONFIG), *common, "trial_name=killed"]
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "killed"
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_4").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    resumed = _run_script([*common, "trial_name=killed"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint at step" in resumed.stdout + resumed.stderr
+
+    ref_rows = _comparable(read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / "uninterrupted"))
+    got_rows = _comparable(read_metrics(run))
+    assert [r["step"] for r in got_rows] == list(range(0, 9))
+    assert got_rows == ref_rows
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train_dataset.path=/nonexistent/gsm8k.jsonl", "/nonexistent/gsm8k.jsonl"),
+    ("actor.path=/nonexistent/model", "actor.path"),
+    ("actor.device=cuda", "actor.device"),
+    ("actor.loss=m3po", "m3po"),
+    ("rollout.max_head_ofpolicyness=4", "max_head_offpolicyness"),
+])
+def test_bad_inputs_fail_before_training(tmp_path, override, needle):
+    if override == "actor.device=cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here")
+    res = _run_script([*small_overrides(tmp_path), override])
+    assert res.returncode != 0
+    assert needle in res.stderr
+    assert "warm start" not in res.stdout  # failed before any work
+    assert not list((tmp_path / "runs").rglob("metrics.jsonl"))

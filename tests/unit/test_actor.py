@@ -1,0 +1,76 @@
+"""The actor's update must not depend on how a mini-batch is split into micro-batches."""
+
+import copy
+
+import pytest
+import torch
+
+from stalerl.actor import Actor
+from stalerl.advantage import grpo_advantages
+from stalerl.config import NormConfig, load_config
+from stalerl.model import PromptFormatter
+from stalerl.reward import gsm8k_reward
+from stalerl.rollout.engine import HFRolloutEngine
+
+QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]
+ANSWERS = ["19", "48", "100", "16", "42", "10"]
+
+
+def _stale_batch(model, tok):
+    """A batch whose behaviour log-probs come from perturbed weights, so ratios are far from 1."""
+    torch.manual_seed(5)
+    behaviour = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in behaviour.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = HFRolloutEngine(behaviour, tok, PromptFormatter(tok).format, gsm8k_reward)
+    batch = engine.generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8)
+    # random rewards so every group has signal
+    batch.rewards = (torch.rand(batch.num_rows) > 0.5).float()
+    adv = grpo_advantages(batch.rewards, batch.group_ids, batch.response_mask, adv_norm=NormConfig())
+    return batch, adv
+
+
+def _updated_params(model, batch, adv, **overrides):
+    cfg = load_config([f"actor.{k}={v}" for k, v in overrides.items()])
+    m = copy.deepcopy(model)
+    actor = Actor(m, cfg.actor, temperature=1.0, total_updates=1)
+    metrics = actor.update(batch, adv)
+    return [p.detach().clone() for p in m.parameters()], metrics
+
+
+@pytest.mark.parametrize("loss", ["m2po", "vanilla", "no_trust_region"])
+def test_micro_batch_split_does_not_change_the_update(tiny_policy, loss):
+    model, tok = tiny_policy
+    batch, adv = _stale_batch(model, tok)
+    # SGD makes the parameter change proportional to the gradient, so equal parameters mean equal gradients.
+    common = {"loss": loss, "optimizer.type": "sgd", "optimizer.lr": 1.0, "optimizer.gradient_clipping": 1e9,
+              "m2_threshold": 0.01}
+    whole, m_whole = _updated_params(model, batch, adv, **common, **{"mb_spec.max_tokens_per_mb": 100000})
+    split, m_split = _updated_params(model, batch, adv, **common, **{"mb_spec.max_tokens_per_mb": 40})
+    assert m_whole["actor/num_micro_batches"] == 1 and m_split["actor/num_micro_batches"] > 3
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+    assert m_whole["actor/loss"] == pytest.approx(m_split["actor/loss"], abs=1e-6)
+    if loss == "m2po":
+        # the mask was chosen once over the mini-batch: the same tokens are masked, however it is split
+        assert m_whole["actor/m2po/num_masked_tokens"] == m_split["actor/m2po/num_masked_tokens"]
+        assert m_whole["actor/m2po/num_masked_tokens"] > 0
+
+
+def test_ppo_minibatches_take_several_optimizer_steps(tiny_policy):
+    model, tok = tiny_policy
+    batch, adv = _stale_batch(model, tok)
+    cfg = load_config(["actor.ppo_n_minibatches=2", "train_dataset.batch_size=6"])
+    actor = Actor(copy.deepcopy(model), cfg.actor, temperature=1.0, total_updates=2)
+    actor.update(batch, adv)
+    assert actor.optimizer.state_dict()["state"][0]["step"].item() == 2
+
+
+def test_m2po_mask_reduces_m2_of_trust_region(tiny_policy):
+    model, tok = tiny_policy
+    batch, adv = _stale_batch(model, tok)
+    _, metrics = _updated_params(model, batch, adv, loss="m2po", m2_threshold=0.01,
+                                 **{"mb_spec.max_tokens_per_mb": 40})
+    assert metrics["actor/m2po/m2_before"] > 0.01
+    assert metrics["actor/m2po/m2_after"] <= 0.01 + 1e-9

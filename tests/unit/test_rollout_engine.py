@@ -1,0 +1,77 @@
+"""The HF engine's behaviour log-probs must be what the trainer computes for the same weights."""
+
+import pytest
+import torch
+
+from stalerl.actor import Actor
+from stalerl.config import load_config
+from stalerl.model import PromptFormatter
+from stalerl.reward import gsm8k_reward
+from stalerl.rollout.batch import concat_batches
+from stalerl.rollout.engine import HFRolloutEngine, _mask_through_first_eos
+
+QUESTIONS = ["12+7=?", "3+45=?", "99+1=?"]
+ANSWERS = ["19", "48", "100"]
+
+
+def _engine(model, tok, version=3):
+    return HFRolloutEngine(model, tok, PromptFormatter(tok).format, gsm8k_reward, version=version)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logp_matches_trainer_recompute(tiny_policy, temperature):
+    model, tok = tiny_policy
+    torch.manual_seed(1)
+    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8, temperature=temperature)
+    cfg = load_config([])
+    actor = Actor(model, cfg.actor, temperature=temperature, total_updates=1)
+    recomputed = actor.compute_logp(batch)
+    m = batch.response_mask
+    assert m.sum() > 0
+    diff = (recomputed - batch.behavior_logp)[m].abs().max().item()
+    assert diff < 1e-4, diff
+    assert torch.all(batch.behavior_logp[m] <= 0)
+
+
+def test_batch_layout_versions_groups_and_rewards(tiny_policy):
+    model, tok = tiny_policy
+    torch.manual_seed(2)
+    batch = _engine(model, tok, version=7).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6)
+    assert batch.num_rows == 6
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.all(batch.versions[batch.response_mask] == 7)
+    assert torch.all(batch.versions[~batch.response_mask] == -1)
+    assert torch.all(batch.response_ids[~batch.response_mask] == tok.pad_token_id)
+    expected = [gsm8k_reward(t, a) for t, a in zip(batch.texts, batch.answers)]
+    assert batch.rewards.tolist() == expected
+    assert batch.answers == ["19", "19", "48", "48", "100", "100"]
+
+
+def test_mask_through_first_eos():
+    ids = torch.tensor([[5, 1, 9, 9], [5, 6, 7, 8], [1, 1, 0, 0]])
+    mask = _mask_through_first_eos(ids, eos_id=1)
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True], [True, False, False, False]]
+
+
+def test_greedy_is_deterministic(tiny_policy):
+    model, tok = tiny_policy
+    e = _engine(model, tok)
+    a = e.generate(QUESTIONS, ANSWERS, n_samples=1, max_new_tokens=6, greedy=True)
+    torch.manual_seed(123)
+    b = e.generate(QUESTIONS, ANSWERS, n_samples=1, max_new_tokens=6, greedy=True)
+    assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_select_and_concat_roundtrip(tiny_policy):
+    model, tok = tiny_policy
+    torch.manual_seed(3)
+    e = _engine(model, tok)
+    b1 = e.generate(QUESTIONS[:2], ANSWERS[:2], n_samples=2, max_new_tokens=5)
+    b2 = e.generate(QUESTIONS[2:], ANSWERS[2:], n_samples=2, max_new_tokens=8)
+    both = concat_batches([b1, b2], tok.pad_token_id)
+    assert both.num_rows == 6
+    assert both.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    again = both.select([4, 5])
+    # the same tokens and log-probs as b2, after trimming the extra padding
+    assert torch.equal(again.response_ids[again.response_mask], b2.response_ids[b2.response_mask])
+    assert torch.equal(again.behavior_logp[again.response_mask], b2.behavior_logp[b2.response_mask])
