@@ -138,13 +138,14 @@ class Actor:
         """ppo_n_minibatches optimizer steps over the batch; returns step metrics (means over mini-batches)."""
         self.model.train()
         n_mini = int(self.cfg.ppo_n_minibatches)
-        rows = torch.arange(batch.num_rows)
-        chunks = [c.tolist() for c in torch.chunk(rows, n_mini)] if batch.num_rows else [[]]
+        # Exactly n_mini mini-batches, even if some are empty: every data-parallel rank must take the same number of
+        # optimizer steps (each one joins collectives).
+        chunks = [c.tolist() for c in torch.tensor_split(torch.arange(batch.num_rows), n_mini)]
         per_step: list[dict[str, float]] = []
         for chunk in chunks:
             per_step.append(self._update_minibatch(batch.select(chunk), advantages[chunk]))
-        keys = per_step[0].keys()
-        return {k: sum(m[k] for m in per_step) / len(per_step) for k in keys}
+        keys = set().union(*per_step)
+        return {k: sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in sorted(keys)}
 
     def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor) -> dict[str, float]:
         adv = adv[:, :mini.response_ids.shape[1]]

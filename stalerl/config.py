@@ -304,6 +304,11 @@ class RolloutConfig(_Section):
                                             "by the policy of step t-s (a FIFO, as in the paper's Stale-k runs); "
                                             "0 = off. Do not combine with max_head_offpolicyness > 0.")
     queue_size: Optional[int] = _f(None, ge=1, help="Capacity of the queue of finished rollouts; null = automatic.")
+    mode: str = _f("auto", choices=("auto", "sync", "async"),
+                   help="sync: rollout and training alternate in one process (with fixed_staleness for controlled "
+                        "experiments); async: rollout workers and train workers run concurrently under "
+                        "max_head_offpolicyness; auto: async when max_head_offpolicyness > 0 or either backend has "
+                        "more than one replica, else sync.")
     weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
                           help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
                                "(a checkpoint under the run directory; works across machines).")
@@ -737,6 +742,18 @@ def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
     return cfg
 
 
+def is_async(cfg: "ExperimentConfig") -> bool:
+    """Whether the run uses separate rollout and train workers (see rollout.mode)."""
+    ro = cfg.rollout
+    if ro.mode != "auto":
+        return ro.mode == "async"
+    if ro.fixed_staleness > 0:
+        return False
+    rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
+    ab = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
+    return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
+
+
 def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = []
     ro, actor = cfg.rollout, cfg.actor
@@ -746,6 +763,11 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                     f"{ro.max_head_offpolicyness}; these are two different staleness modes (a fixed FIFO lag vs. "
                     "admission control), pick one. Fix: set rollout.max_head_offpolicyness=0 or "
                     "rollout.fixed_staleness=0."))
+    if ro.fixed_staleness > 0 and ro.mode == "async":
+        out.append(("rollout.mode",
+                    f"got 'async' with rollout.fixed_staleness={ro.fixed_staleness}; the fixed-staleness FIFO runs "
+                    "in the synchronous loop. Fix: set rollout.mode=sync (or auto), or use "
+                    "rollout.max_head_offpolicyness for asynchronous staleness."))
     n_mb = actor.ppo_n_minibatches
     for key, size in (("train_dataset.batch_size", cfg.train_dataset.batch_size),
                       ("rollout.consumer_batch_size", ro.consumer_batch_size)):

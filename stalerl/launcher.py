@@ -1,10 +1,21 @@
-"""Run a loaded config under its scheduler. ``local`` runs the trainer in this process."""
+"""Run a loaded config under its scheduler. ``local`` runs the controller in this process."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from stalerl.config import ExperimentConfig, config_to_yaml, run_dir
+from stalerl.config import ExperimentConfig, config_to_yaml, is_async, run_dir
+
+
+def build_trainer(cfg: ExperimentConfig):
+    """The synchronous loop (optionally with a fixed-staleness FIFO) or the asynchronous dX+dY runtime."""
+    if is_async(cfg):
+        from stalerl.async_trainer import AsyncTrainer
+
+        return AsyncTrainer(cfg)
+    from stalerl.trainer import Trainer
+
+    return Trainer(cfg)
 
 
 def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) -> dict[str, Any]:
@@ -15,9 +26,7 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
     if kind != "local":
         raise NotImplementedError(
             f"scheduler.type={kind!r} is not available in this version; use scheduler.type=local")
-    from stalerl.trainer import run
-
-    result = run(cfg)
+    result = build_trainer(cfg).train()
     if plot:
         from stalerl.plot import plot_runs
 

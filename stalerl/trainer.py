@@ -24,7 +24,7 @@ from stalerl.metrics_log import MetricsLogger, Progress, format_summary
 from stalerl.model import PromptFormatter, load_policy, resolve_device
 from stalerl.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
-from stalerl.rollout.engine import HFRolloutEngine
+from stalerl.rollout.engine import HFRolloutEngine, generation_seed
 from stalerl.staleness import StaleFIFO, staleness_stats
 from stalerl.warm_start import warm_start
 
@@ -82,6 +82,7 @@ class Trainer:
                                       device=self.device)
         self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)
         self.step = 0  # optimizer steps taken = the trainer's weight version
+        self.tasks_generated = 0  # prompt groups generated so far; seeds each generate call (see generation_seed)
         self.warm_start_done = False
 
     # ------------------------------------------------------------------ pieces
@@ -106,6 +107,10 @@ class Trainer:
         g = self.cfg.gconfig
         examples = self.dataset.next_batch()
         self.engine.set_version(self.step)
+        # Seeded by the first task id, as the asynchronous workers do: with max_head_offpolicyness=0 both loops
+        # sample exactly the same tokens.
+        torch.manual_seed(generation_seed(self.cfg.seed, self.tasks_generated))
+        self.tasks_generated += len(examples)
         batch = self.engine.generate([e.question for e in examples], [e.final for e in examples],
                                      n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
@@ -133,7 +138,8 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"actor": self.actor.state_dict(), "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
-                "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done}
+                "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done,
+                "tasks_generated": self.tasks_generated}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.actor.load_state_dict(state["actor"])
@@ -141,6 +147,7 @@ class Trainer:
         self.fifo.load_state_dict(state["fifo"])
         self.step = int(state["step"])
         self.warm_start_done = bool(state["warm_start_done"])
+        self.tasks_generated = int(state["tasks_generated"])
         restore_rng_state(state["rng"])
 
     def maybe_recover(self) -> Optional[int]:
@@ -174,6 +181,7 @@ class Trainer:
                 summary.update(self.evaluate())
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
+        self.on_training_start()
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         while self.step < self.total_steps:
@@ -192,6 +200,9 @@ class Trainer:
         if cfg.saver.save_final:
             self.save_model(self.run_dir / "final_model")
         return last
+
+    def on_training_start(self) -> None:
+        """Hook after warm start or restore, before the first step (the async trainer syncs its workers here)."""
 
     def _set_aside_previous_metrics(self) -> None:
         """A fresh start in a used run directory keeps the old metrics under another name instead of mixing them."""

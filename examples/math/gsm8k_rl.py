@@ -11,13 +11,18 @@ import sys
 
 from stalerl.config import load_config, parse_args
 from stalerl.launcher import launch
+from stalerl.workers.process import WorkerFailure, failure_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _, _, flags = parse_args(argv)
     cfg = load_config(argv)
-    launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
+    try:
+        launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
+    except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
+        print(f"stalerl: {failure}", file=sys.stderr)
+        return failure_exit_code(failure)
     return 0
 
 

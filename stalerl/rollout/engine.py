@@ -26,8 +26,9 @@ class RolloutEngine(Protocol):
     def set_version(self, version: int) -> None: ...
 
 
-def parse_engine(backend: str) -> str:
-    return backend.split(":", 1)[0]
+def generation_seed(run_seed: int, first_task_id: int) -> int:
+    """The sampling seed of a generate call: the same tasks get the same samples in the sync and async loops."""
+    return (run_seed * 1_000_003 + first_task_id) % (2**63 - 1)
 
 
 class HFRolloutEngine:

@@ -1,0 +1,354 @@
+"""Asynchronous RL: X rollout workers generate while Y data-parallel train ranks train ("dX+dY").
+
+Threads of the controller process (which is also train rank 0):
+- the trainer thread (``train``): waits for a batch the staleness manager allows, trains on it with all ranks,
+  publishes the new weights, advances the version, logs, evaluates, checkpoints;
+- the dispatcher thread: admits prompt groups while the manager has capacity, hands them to the least loaded
+  rollout worker, collects results, and watches every worker process.
+
+Strictness: see :mod:`stalerl.rollout.admission` (a consumed sample is never more than
+``rollout.max_head_offpolicyness`` versions behind; ``consume`` asserts it). Weights are queued to every rollout
+worker before any task admitted at the new version, and are installed between generations (never half-written).
+
+Failure: a worker that raises or dies stops the run with its exit code and the tail of its log; if the trainer
+thread is stuck in a collective with a dead rank, the watchdog ends the process after a grace period. Checkpoints
+are atomic, so the last one stays valid.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from stalerl.actor import DataParallel
+from stalerl.advantage import grpo_advantages, shaped_rewards
+from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, parse_backend
+from stalerl.io import atomic_torch_save
+from stalerl.rollout.admission import StalenessManager
+from stalerl.rollout.batch import concat_batches
+from stalerl.trainer import Trainer
+from stalerl.workers.process import CTX, WorkerFailure, WorkerProcess, failure_exit_code
+from stalerl.workers.rollout_worker import from_wire, to_wire
+from stalerl.workers.train_worker import broadcast_parameters, init_group
+
+FAILURE_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AsyncTrainer(Trainer):
+    def __init__(self, cfg: ExperimentConfig, *, log=print):
+        super().__init__(cfg, log=log)
+        self.n_rollout = parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
+        self.n_train = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp
+        b = cfg.rollout.consumer_batch_size
+        self.manager = StalenessManager(b, cfg.rollout.max_head_offpolicyness,
+                                        cfg.rollout.max_concurrent_rollouts or b)
+        self.cond = threading.Condition()
+        self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
+        self.results = CTX.Queue()
+        self.rollout_workers: list[WorkerProcess] = []
+        self.train_workers: list[WorkerProcess] = []
+        self.outstanding: dict[str, int] = {}  # tasks queued per rollout worker
+        self.train_replies: dict[str, Any] = {}
+        self.ready: set[str] = set()
+        self.failure: Optional[WorkerFailure] = None
+        self.stop_event = threading.Event()
+        self.dispatcher: Optional[threading.Thread] = None
+        self.counters = {"gen_tokens": 0, "gen_seconds": 0.0, "sync_seconds": 0.0, "admission_wait_s": 0.0}
+        self.tasks_to_resubmit: list = []
+        self.weights_published = False  # nothing is admitted before the workers have version-0 weights
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_workers(self) -> None:
+        log_dir = self.run_dir / "logs"
+        total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches
+        self._start_dispatcher()
+        if self.n_train > 1:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            for rank in range(1, self.n_train):
+                self.train_workers.append(WorkerProcess(
+                    f"train/{rank}", "stalerl.workers.train_worker", "TrainWorker",
+                    dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
+                         total_updates=total_updates), self.results, log_dir))
+            group = init_group(0, self.n_train, init_method, timeout_s=300.0)
+            self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
+        for i in range(self.n_rollout):
+            w = WorkerProcess(f"rollout/{i}", "stalerl.workers.rollout_worker", "RolloutWorker",
+                              dict(cfg=self.cfg, index=i), self.results, log_dir)
+            self.rollout_workers.append(w)
+            self.outstanding[w.role] = 0
+        self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        if self.dispatcher is not None:
+            self.dispatcher.join(5)
+        for w in self.rollout_workers + self.train_workers:
+            w.stop()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    def _start_dispatcher(self) -> None:
+        self.dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+        self.dispatcher.start()
+
+    def _wait(self, predicate, what: str) -> None:
+        with self.cond:
+            while not predicate():
+                self._raise_if_failed()
+                self.cond.wait(0.1)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ------------------------------------------------------------------ dispatcher thread
+    def _dispatch_loop(self) -> None:
+        idle_since: Optional[float] = None
+        while not self.stop_event.is_set():
+            self._check_processes()
+            admitted = self._admit()
+            idle = any(self.outstanding[w.role] == 0 for w in self.rollout_workers) and self.ready
+            if idle and not admitted and self.manager.capacity() == 0 and not self._data_exhausted():
+                idle_since = idle_since or time.perf_counter()
+            elif idle_since is not None:
+                self.counters["admission_wait_s"] += time.perf_counter() - idle_since
+                idle_since = None
+            try:
+                msg = self.results.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            self._handle(msg)
+
+    def _check_processes(self) -> None:
+        if self.failure is not None:
+            return
+        for w in self.rollout_workers + self.train_workers:
+            failure = w.failure()
+            if failure is not None:
+                self._fail(failure)
+                return
+
+    def _fail(self, failure: WorkerFailure) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = failure
+            self.cond.notify_all()
+
+        def watchdog():
+            # The trainer thread raises at its next wait; if it is blocked inside a collective with a dead rank it
+            # never gets there, so end the process ourselves (checkpoints are atomic: the last one stays valid).
+            time.sleep(FAILURE_GRACE_S)
+            if not self.stop_event.is_set():
+                print(f"\nstalerl: {failure}\nstalerl: the trainer did not stop within {FAILURE_GRACE_S:.0f}s; "
+                      "exiting", flush=True)
+                os._exit(failure_exit_code(failure))
+
+        threading.Thread(target=watchdog, daemon=True).start()
+
+    def _data_exhausted(self) -> bool:
+        return self.manager.admitted_total >= self.total_steps * self.manager.batch_size
+
+    def _next_prompt(self):
+        if not self.prompts:
+            self.prompts.extend(self.dataset.next_batch())
+        return self.prompts.popleft()
+
+    def _admit(self) -> int:
+        if not self.weights_published or self.failure is not None:
+            return 0
+        with self.cond:
+            tasks = list(self.tasks_to_resubmit)
+            self.tasks_to_resubmit = []
+            n = self.manager.capacity()
+            if not self._data_exhausted():
+                n = min(n, self.total_steps * self.manager.batch_size - self.manager.admitted_total)
+                for _ in range(n):
+                    e = self._next_prompt()
+                    tasks.append(self.manager.admit(payload=(e.question, e.final)))
+            if not tasks:
+                return 0
+            # Spread over the least loaded workers; each worker gets one batched generate call.
+            shares: dict[str, list] = {}
+            for t in tasks:
+                w = min(self.rollout_workers, key=lambda w: (self.outstanding[w.role] + len(shares.get(w.role, [])),
+                                                             w.role))
+                shares.setdefault(w.role, []).append((t.task_id, *t.payload))
+            for w in self.rollout_workers:
+                if w.role in shares:
+                    self.outstanding[w.role] += len(shares[w.role])
+                    w.call("generate", shares[w.role])
+            return len(tasks)
+
+    def _handle(self, msg) -> None:
+        role, kind, _, out = msg
+        with self.cond:
+            if kind == "ready":
+                self.ready.add(role)
+            elif kind == "error":
+                worker = next((w for w in self.rollout_workers + self.train_workers if w.role == role), None)
+                self.failure = self.failure or WorkerFailure(role, None, out, worker.log_path if worker else None)
+            elif role.startswith("rollout/"):
+                if isinstance(out, dict) and "results" in out:
+                    for task_id, state in out["results"]:
+                        self.manager.finish(task_id, state, head_version=out["version"])
+                    self.outstanding[role] -= len(out["results"])
+                    self.counters["gen_tokens"] += out["tokens"]
+                    self.counters["gen_seconds"] += out["seconds"]
+                else:  # a weight load
+                    self.counters["sync_seconds"] += float(out)
+            else:
+                self.train_replies[role] = out
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ weights
+    def publish_weights(self) -> float:
+        """Queue the current weights (version = self.step) to every rollout worker; returns the seconds spent."""
+        start = time.perf_counter()
+        version = self.step
+        if self.cfg.rollout.weight_sync == "shared_memory":
+            state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in self.model.state_dict().items()}
+            for w in self.rollout_workers:
+                w.call("load_weights", version, state)
+        else:
+            path = self.run_dir / "weights" / f"v{version}.pt"
+            atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
+            for w in self.rollout_workers:
+                w.call("load_weights_from_file", version, str(path))
+            old = self.run_dir / "weights" / f"v{version - 2}.pt"  # v-1 may still be loading
+            old.unlink(missing_ok=True)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ checkpoint
+    def checkpoint_state(self) -> dict[str, Any]:
+        with self.cond:
+            state = super().checkpoint_state()
+            state["manager"] = self.manager.state_dict()
+            state["prompts"] = list(self.prompts)
+            state["dataset"] = self.dataset.state_dict()
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.prompts = deque(state["prompts"])
+        self.tasks_to_resubmit = self.manager.load_state_dict(state["manager"])
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        try:
+            return self._train()
+        finally:
+            self.shutdown()
+
+    def _train(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.start_workers()
+        self.startup_seconds = time.perf_counter() - start
+        self.log(f"{self.n_rollout} rollout + {self.n_train} train workers up in {self.startup_seconds:.1f}s")
+        return super().train()
+
+    def on_training_start(self) -> None:
+        """After warm start / restore: every rank and rollout worker gets rank 0's weights."""
+        if self.n_train > 1:
+            for w in self.train_workers:
+                w.call("sync_parameters")
+            broadcast_parameters(self.model, self.actor.dp.group)
+            self._collect_train_replies("sync_parameters")
+            if self.step > 0:
+                state = self.actor.state_dict()
+                for w in self.train_workers:
+                    w.call("load_actor_state", state)
+                self._collect_train_replies("load_actor_state")
+        with self.cond:
+            self.publish_weights()
+            self.weights_published = True
+            self.cond.notify_all()
+
+    def _collect_train_replies(self, what: str) -> list:
+        roles = [w.role for w in self.train_workers]
+        self._wait(lambda: all(r in self.train_replies for r in roles), what)
+        with self.cond:
+            return [self.train_replies.pop(r) for r in roles]
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with self.cond:
+            while True:
+                self._raise_if_failed()
+                tasks = self.manager.ready_batch()
+                if tasks is not None:
+                    lags = self.manager.consume(tasks)
+                    break
+                self.cond.wait(0.05)
+            queue_depth = len(self.manager.finished)
+            running = len(self.manager.running)
+            counters = dict(self.counters)
+            for k in ("gen_tokens", "gen_seconds", "sync_seconds", "admission_wait_s"):
+                self.counters[k] = 0 if k == "gen_tokens" else 0.0
+        wait_s = time.perf_counter() - t0
+        batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
+        a = self.cfg.actor
+        rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
+                                 norm=a.reward_norm)
+        advantages = grpo_advantages(rewards, batch.group_ids, batch.response_mask, adv_norm=a.adv_norm)
+        t1 = time.perf_counter()
+        metrics = self._update(batch, advantages)
+        t_train = time.perf_counter() - t1
+        with self.cond:
+            self.step += 1
+            self.manager.advance()
+            publish_s = self.publish_weights()
+            self.cond.notify_all()
+        hist = torch.bincount(torch.tensor(lags)).tolist()
+        metrics.update({
+            "staleness/min": float(min(lags)), "staleness/avg": sum(lags) / len(lags),
+            "staleness/max": float(max(lags)), "staleness/hist": hist,
+            "rollout/queue_depth": float(queue_depth), "rollout/running": float(running),
+            "timing/wait_for_data_s": wait_s, "timing/train_s": t_train, "timing/weight_publish_s": publish_s,
+            "timing/weight_load_s": counters["sync_seconds"], "timing/admission_wait_s": counters["admission_wait_s"],
+            "timing/step_s": time.perf_counter() - t0,
+            "throughput/gen_tokens_per_s": counters["gen_tokens"] / counters["gen_seconds"]
+            if counters["gen_seconds"] else 0.0,
+            "throughput/train_tokens_per_s": float(batch.attention_mask().sum()) / t_train if t_train else 0.0,
+            "version": float(self.step),
+        })
+        metrics.update(self.batch_metrics(batch))
+        return metrics
+
+    def _update(self, batch, advantages) -> dict[str, float]:
+        if self.n_train == 1:
+            return self.actor.update(batch, advantages)
+        # Contiguous shards of whole prompt groups, one per rank.
+        groups = batch.group_ids.tolist()
+        bounds = [0]
+        per_rank = -(-len(set(groups)) // self.n_train)
+        seen = 0
+        for i in range(1, len(groups) + 1):
+            if i == len(groups) or groups[i] != groups[i - 1]:
+                seen += 1
+                if seen % per_rank == 0 and i < len(groups):
+                    bounds.append(i)
+        while len(bounds) < self.n_train:
+            bounds.append(len(groups))
+        bounds.append(len(groups))
+        shards = [list(range(bounds[r], bounds[r + 1])) for r in range(self.n_train)]
+        for rank, w in enumerate(self.train_workers, start=1):
+            sub = batch.select(shards[rank])
+            w.call("update", to_wire(sub.state()), advantages[shards[rank], :sub.response_ids.shape[1]].numpy())
+        own = batch.select(shards[0])
+        metrics = self.actor.update(own, advantages[shards[0], :own.response_ids.shape[1]])
+        self._collect_train_replies("update")
+        return metrics

@@ -1,0 +1,118 @@
+"""Hosting a worker object in a local process: a command queue in, a shared result queue out, a log file.
+
+The worker class is built in the child from ``(module, class name, kwargs)`` and then serves method calls in order.
+A raised exception is sent back with its traceback and the child exits with code 1, so the controller can stop the
+run with the worker's own message; a child that dies without a word (segfault, OOM kill) is noticed through its exit
+code. stdout/stderr of the child go to its log file, whose tail is quoted in failures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.multiprocessing as mp
+
+CTX = mp.get_context("spawn")
+
+
+@dataclass
+class WorkerFailure(Exception):
+    role: str
+    exit_code: Optional[int]
+    message: str
+    log_path: Optional[Path] = None
+
+    def __str__(self) -> str:
+        code = "still running" if self.exit_code is None else f"exit code {self.exit_code}"
+        tail = log_tail(self.log_path) if self.log_path else ""
+        return (f"worker {self.role} failed ({code}): {self.message}"
+                + (f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""))
+
+
+def failure_exit_code(failure: WorkerFailure) -> int:
+    code = failure.exit_code
+    if code is None or code == 0:
+        return 1
+    return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
+
+
+def log_tail(path: Optional[Path], lines: int = 30) -> str:
+    if path is None or not Path(path).exists():
+        return ""
+    text = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, results, log_path: str) -> None:
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    try:
+        worker = getattr(importlib.import_module(module), cls_name)(**kwargs)
+        results.put((role, "ready", None, None))
+        while True:
+            call_id, method, args = commands.get()
+            if method == "__stop__":
+                break
+            out = getattr(worker, method)(*args)
+            results.put((role, "ok", call_id, out))
+    except BaseException as exc:  # noqa: BLE001 - report everything, then exit non-zero
+        tb = traceback.format_exc()
+        print(tb, flush=True)
+        try:
+            results.put((role, "error", None, f"{type(exc).__name__}: {exc}\n{tb}"))
+        finally:
+            log.flush()
+            os._exit(1)
+    log.flush()
+
+
+class WorkerProcess:
+    """One worker object in its own process. Calls are asynchronous: ``call`` returns a call id and the answer
+    arrives on the shared results queue as ``(role, "ok", call_id, result)``."""
+
+    def __init__(self, role: str, module: str, cls_name: str, kwargs: dict, results, log_dir: Path):
+        self.role = role
+        self.log_path = Path(log_dir) / f"{role.replace('/', '-')}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.commands = CTX.Queue()
+        self._next_call = 0
+        self.process = CTX.Process(target=_child_main, name=role, daemon=True,
+                                   args=(role, module, cls_name, kwargs, self.commands, results, str(self.log_path)))
+        self.process.start()
+
+    def call(self, method: str, *args: Any) -> int:
+        self._next_call += 1
+        self.commands.put((self._next_call, method, args))
+        return self._next_call
+
+    _stopping = False
+
+    def failure(self) -> Optional[WorkerFailure]:
+        """A WorkerFailure if the process has exited without being asked to stop (whatever its exit code)."""
+        code = self.process.exitcode
+        if code is None or self._stopping:
+            return None
+        return WorkerFailure(self.role, code, "the process exited unexpectedly", self.log_path)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.process.is_alive():
+            try:
+                self.commands.put((0, "__stop__", ()))
+            except Exception:  # noqa: BLE001
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)

@@ -1,0 +1,70 @@
+"""A rollout worker: its own copy of the policy, weights installed by version, tasks generated in batches.
+
+Weight updates never interrupt a generation: a ``load_weights`` command is served between two ``generate`` calls,
+so every token of a sample carries the version its generation started with (no partial rollouts, so the sample's
+head version is its only version). The controller queues the weights before any task admitted afterwards, so a
+task is always generated with weights at least as new as its admission version.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalerl.model import PromptFormatter, load_policy, resolve_device
+from stalerl.reward import gsm8k_reward
+from stalerl.rollout.batch import RolloutBatch
+from stalerl.rollout.engine import HFRolloutEngine, generation_seed
+
+
+def to_wire(state: dict[str, Any]) -> dict[str, Any]:
+    """Tensors as numpy arrays, so a batch crosses a process boundary by value (no shared-memory handles to leak)."""
+    return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def from_wire(state: dict[str, Any]) -> RolloutBatch:
+    return RolloutBatch.from_state({k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+                                    for k, v in state.items()})
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Any, index: int = 0):
+        torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.index = index
+        device = resolve_device(cfg.actor.device)
+        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
+        model, tokenizer = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype, device=str(device),
+                                       seed=cfg.seed)
+        self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+                                      device=device, version=-1)
+        print(f"rollout worker {index} ready", flush=True)
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        self.engine.load_weights(state_dict, version)
+        return time.perf_counter() - start
+
+    def load_weights_from_file(self, version: int, path: str) -> float:
+        start = time.perf_counter()
+        self.engine.load_weights(torch.load(path, map_location="cpu", weights_only=True), version)
+        return time.perf_counter() - start
+
+    def generate(self, tasks: list[tuple[int, str, str]]) -> dict[str, Any]:
+        """One batched generate call over ``tasks`` = [(task_id, question, answer)]; returns each task's batch."""
+        if self.engine.version < 0:
+            raise RuntimeError("generate before any weights were loaded")
+        g = self.cfg.gconfig
+        torch.manual_seed(generation_seed(self.cfg.seed, tasks[0][0]))
+        batch = self.engine.generate([q for _, q, _ in tasks], [a for _, _, a in tasks], n_samples=g.n_samples,
+                                     max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                     top_k=g.top_k)
+        out = []
+        for i, (task_id, _, _) in enumerate(tasks):
+            rows = (batch.group_ids == i).nonzero().squeeze(1).tolist()
+            out.append((task_id, to_wire(batch.select(rows).state())))
+        return {"results": out, "version": self.engine.version, "seconds": self.engine.last_generate_seconds,
+                "tokens": batch.num_response_tokens, "worker": self.index}

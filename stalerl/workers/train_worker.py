@@ -1,0 +1,59 @@
+"""A data-parallel train rank (rank >= 1; rank 0 lives in the controller).
+
+Every rank holds a full replica and its optimizer. Each step the controller sends every rank its shard of the batch;
+the actor all-reduces the token counts, runs the registered loss's mini-batch selection across the group (M2PO's
+mask is exact over all ranks), and averages gradients, so replicas stay identical without ever exchanging weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalerl.actor import Actor, DataParallel
+from stalerl.model import load_policy, resolve_device
+from stalerl.workers.rollout_worker import from_wire
+
+
+def init_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> Any:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.group.WORLD
+
+
+def broadcast_parameters(model: torch.nn.Module, group: Any) -> None:
+    """Rank 0's weights to every rank (after rank 0's warm start or a checkpoint restore)."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0, group=group)
+
+
+class TrainWorker:
+    def __init__(self, cfg: Any, rank: int, world_size: int, init_method: str, total_updates: int,
+                 timeout_s: float = 300.0):
+        torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.rank = rank
+        device = resolve_device(cfg.actor.device)
+        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
+        self.model, _ = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype, device=str(device),
+                                    seed=cfg.seed)
+        if cfg.actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        group = init_group(rank, world_size, init_method, timeout_s)
+        self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
+                           dp=DataParallel(rank=rank, size=world_size, group=group))
+        print(f"train rank {rank}/{world_size} ready", flush=True)
+
+    def sync_parameters(self) -> None:
+        broadcast_parameters(self.model, self.actor.dp.group)
+
+    def load_actor_state(self, state: dict[str, Any]) -> None:
+        self.actor.load_state_dict(state)
+
+    def update(self, shard: dict[str, Any], advantages) -> dict[str, float]:
+        return self.actor.update(from_wire(shard), torch.as_tensor(advantages))
