@@ -33,6 +33,7 @@ from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, par
 from stalerl.io import atomic_torch_save
 from stalerl.rollout.admission import StalenessManager
 from stalerl.rollout.batch import concat_batches
+from stalerl.staleness import staleness_stats
 from stalerl.trainer import Trainer
 from stalerl.workers.process import CTX, WorkerFailure, WorkerProcess, failure_exit_code
 from stalerl.workers.rollout_worker import from_wire, to_wire
@@ -290,7 +291,7 @@ class AsyncTrainer(Trainer):
                 self._raise_if_failed()
                 tasks = self.manager.ready_batch()
                 if tasks is not None:
-                    lags = self.manager.consume(tasks)
+                    self.manager.consume(tasks)
                     break
                 self.cond.wait(0.05)
             queue_depth = len(self.manager.finished)
@@ -300,6 +301,8 @@ class AsyncTrainer(Trainer):
                 self.counters[k] = 0 if k == "gen_tokens" else 0.0
         wait_s = time.perf_counter() - t0
         batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
+        stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
+        assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
         a = self.cfg.actor
         rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
                                  norm=a.reward_norm)
@@ -312,10 +315,8 @@ class AsyncTrainer(Trainer):
             self.manager.advance()
             publish_s = self.publish_weights()
             self.cond.notify_all()
-        hist = torch.bincount(torch.tensor(lags)).tolist()
+        metrics.update(stale)
         metrics.update({
-            "staleness/min": float(min(lags)), "staleness/avg": sum(lags) / len(lags),
-            "staleness/max": float(max(lags)), "staleness/hist": hist,
             "rollout/queue_depth": float(queue_depth), "rollout/running": float(running),
             "timing/wait_for_data_s": wait_s, "timing/train_s": t_train, "timing/weight_publish_s": publish_s,
             "timing/weight_load_s": counters["sync_seconds"], "timing/admission_wait_s": counters["admission_wait_s"],

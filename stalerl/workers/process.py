@@ -49,7 +49,22 @@ def log_tail(path: Optional[Path], lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, results, log_path: str) -> None:
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the controller dies, even by SIGKILL, so no orphan keeps a GPU or a port."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, results, log_path: str,
+                parent_pid: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
     log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -61,6 +76,7 @@ def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, r
             call_id, method, args = commands.get()
             if method == "__stop__":
                 break
+            _maybe_inject_fault(role, method)
             out = getattr(worker, method)(*args)
             results.put((role, "ok", call_id, out))
     except BaseException as exc:  # noqa: BLE001 - report everything, then exit non-zero
@@ -74,6 +90,22 @@ def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, r
     log.flush()
 
 
+_calls: dict[str, int] = {}
+
+
+def _maybe_inject_fault(role: str, method: str) -> None:
+    """Test hook: STALERL_INJECT_FAULT="rollout/0:generate:3" raises in that worker's 3rd call of that method."""
+    spec = os.environ.get("STALERL_INJECT_FAULT")
+    if not spec:
+        return
+    want_role, want_method, nth = spec.rsplit(":", 2)
+    if role != want_role or method != want_method:
+        return
+    _calls[method] = _calls.get(method, 0) + 1
+    if _calls[method] == int(nth):
+        raise RuntimeError(f"injected fault in {role}.{method} call {nth} (STALERL_INJECT_FAULT)")
+
+
 class WorkerProcess:
     """One worker object in its own process. Calls are asynchronous: ``call`` returns a call id and the answer
     arrives on the shared results queue as ``(role, "ok", call_id, result)``."""
@@ -85,7 +117,8 @@ class WorkerProcess:
         self.commands = CTX.Queue()
         self._next_call = 0
         self.process = CTX.Process(target=_child_main, name=role, daemon=True,
-                                   args=(role, module, cls_name, kwargs, self.commands, results, str(self.log_path)))
+                                   args=(role, module, cls_name, kwargs, self.commands, results, str(self.log_path),
+                                         os.getpid()))
         self.process.start()
 
     def call(self, method: str, *args: Any) -> int:

@@ -8,6 +8,7 @@ task is always generated with weights at least as new as its admission version.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -41,7 +42,7 @@ class RolloutWorker:
                                        seed=cfg.seed)
         self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
                                       device=device, version=-1)
-        print(f"rollout worker {index} ready", flush=True)
+        print(f"rollout worker {index} ready (pid {os.getpid()})", flush=True)
 
     def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
         start = time.perf_counter()

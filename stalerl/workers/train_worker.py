@@ -8,6 +8,7 @@ mask is exact over all ranks), and averages gradients, so replicas stay identica
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ class TrainWorker:
         group = init_group(rank, world_size, init_method, timeout_s)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
                            dp=DataParallel(rank=rank, size=world_size, group=group))
-        print(f"train rank {rank}/{world_size} ready", flush=True)
+        print(f"train rank {rank}/{world_size} ready (pid {os.getpid()})", flush=True)
 
     def sync_parameters(self) -> None:
         broadcast_parameters(self.model, self.actor.dp.group)

@@ -1,0 +1,131 @@
+"""The asynchronous dX+dY runtime with real worker processes: bound, eta=0 equivalence, DP equivalence, failures,
+resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CPU_CONFIG, REPO, small_overrides
+from stalerl.metrics_log import read_metrics
+
+SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
+pytestmark = pytest.mark.slow
+
+
+def _cmd(tmp_path, trial, **extra):
+    over = small_overrides(tmp_path, **{"rollout.fixed_staleness": 0, "trial_name": trial, **extra})
+    return [sys.executable, str(SCRIPT), "--config", str(CPU_CONFIG), *over]
+
+
+def _run(cmd, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(tmp_path, trial):
+    return read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / trial)
+
+
+KEYS = ("reward", "actor/loss", "actor/grad_norm", "actor/m2po/masked_fraction", "response_length")
+
+
+def test_bound_holds_and_is_used(tmp_path):
+    res = _run(_cmd(tmp_path, "eta2", **{"rollout.max_head_offpolicyness": 2, "total_train_steps": 8}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(tmp_path, "eta2")[1:]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["staleness/max"] <= 2 for r in rows)
+    assert max(r["staleness/max"] for r in rows) == 2  # rollouts outpace training here, so the bound binds
+    for r in rows:
+        assert sum(r["staleness/hist"]) == 8 * 4  # every consumed sample counted once
+
+
+def test_eta_zero_equals_the_synchronous_loop(tmp_path):
+    sync = _run(_cmd(tmp_path, "sync", **{"rollout.mode": "sync"}))
+    asyn = _run(_cmd(tmp_path, "async", **{"rollout.mode": "async", "rollout.max_head_offpolicyness": 0}))
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    assert asyn.returncode == 0, asyn.stderr[-3000:]
+    a, b = _rows(tmp_path, "sync"), _rows(tmp_path, "async")
+    assert len(a) == len(b) == 7
+    for ra, rb in zip(a[1:], b[1:]):
+        assert rb["staleness/max"] == 0
+        for k in KEYS:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), (ra["step"], k)
+    assert [r.get("eval/accuracy") for r in a] == [r.get("eval/accuracy") for r in b]
+
+
+def test_two_train_ranks_match_one(tmp_path):
+    extra = {"rollout.mode": "async", "rollout.max_head_offpolicyness": 0, "total_train_steps": 3}
+    one = _run(_cmd(tmp_path, "d1", **extra))
+    two = _run(_cmd(tmp_path, "d2", **{**extra, "actor.backend": "torch:d2"}))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    for ra, rb in zip(_rows(tmp_path, "d1")[1:], _rows(tmp_path, "d2")[1:]):
+        for k in KEYS:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
+
+
+def _worker_pid(log: Path, deadline: float) -> int:
+    while time.time() < deadline:
+        if log.exists():
+            m = re.search(r"ready \(pid (\d+)\)", log.read_text())
+            if m:
+                return int(m.group(1))
+        time.sleep(0.1)
+    raise AssertionError(f"no pid in {log}")
+
+
+def test_killed_rollout_worker_fails_the_run_with_its_code(tmp_path):
+    cmd = _cmd(tmp_path, "killed", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 500})
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "killed"
+    pid = _worker_pid(run / "logs" / "rollout-0.log", time.time() + 120)
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 3:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - killed_at < 30  # promptly, no hang
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert "rollout/0" in err and "exit code -9" in err
+    assert "rollout worker 0 ready" in err  # the tail of the worker's log is quoted
+
+
+def test_worker_exception_fails_the_run_with_traceback(tmp_path):
+    res = _run(_cmd(tmp_path, "raises", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 50}),
+               env_extra={"STALERL_INJECT_FAULT": "rollout/0:generate:3"})
+    assert res.returncode == 1
+    assert "injected fault in rollout/0.generate call 3" in res.stderr
+    assert "Traceback" in res.stderr
+
+
+def test_resume_after_sigkill_keeps_the_bound(tmp_path):
+    extra = {"rollout.max_head_offpolicyness": 2, "total_train_steps": 10, "recover.mode": "auto",
+             "recover.freq_steps": 2}
+    cmd = _cmd(tmp_path, "resume", **extra)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "resume"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_4").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = _run(cmd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(0, 11))
+    assert all(r["staleness/max"] <= 2 for r in rows[1:])
+    assert "resumed from checkpoint at step" in res.stdout + res.stderr
