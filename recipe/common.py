@@ -36,7 +36,10 @@ def cfg_get(config: Any, key: str, default: Any = None) -> Any:
         try:
             value = getattr(config, key)
         except (AttributeError, KeyError):
-            getter = getattr(config, "get", None)
+            try:
+                getter = getattr(config, "get", None)
+            except (AttributeError, KeyError):  # a __getattr__ that raises KeyError for "get" too
+                getter = None
             if callable(getter):
                 try:
                     value = getter(key, _MISSING)
@@ -129,7 +132,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         denom = torch.clamp(_as_float_tensor(global_batch_size, masked), min=1.0)
         loss = (seq_losses * seq_mask).sum() / denom * dp_size
         if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_mask.shape[-1])
+            # default: the padded width (verl); at least 1, so a zero-width empty batch gives 0, not 0/0
+            loss = loss / (loss_scale_factor if loss_scale_factor is not None else max(loss_mask.shape[-1], 1))
         return loss
     raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg_mode!r}")
 

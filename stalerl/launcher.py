@@ -33,3 +33,9 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
         out = plot_runs([run_dir(cfg)], ["reward", "actor/grad_norm"], run_dir(cfg) / "curves.png")
         print(f"curves written to {out}")
     return result
+
+
+def run_sweep_on(kind: str, config_path, runs, configs) -> list[str]:
+    """Run the sweep's runs under a cluster scheduler; returns one status per run."""
+    raise NotImplementedError(f"sweeps under scheduler.type={kind!r} are not available in this version; "
+                              "use scheduler.type=local")

@@ -2,29 +2,20 @@
 
     python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_m2po_cpu.yaml [key=value ...] [--dry-run] [--plot]
 
-Every config field can be overridden with a dotted ``key=value``; ``--help`` lists them all with their meaning.
+Every config field can be overridden with a dotted ``key=value`` (``--help`` lists them all with their meaning);
+``key=a,b,c`` runs a sweep over the values. What runs, top to bottom (see stalerl/trainer.py):
+  1. load and validate the config (stalerl/config.py); build data, tokenizer and policy;
+  2. optional supervised warm start (the embedded tiny model starts from random weights);
+  3. loop: generate n samples per prompt (stale FIFO or asynchronous workers under max_head_offpolicyness),
+     reward, GRPO advantages, the registered policy loss (recipe/), optimizer step, weight sync;
+  4. log metrics.jsonl / TensorBoard, evaluate, checkpoint atomically; resume with recover.mode=auto.
 """
 
 from __future__ import annotations
 
 import sys
 
-from stalerl.config import load_config, parse_args
-from stalerl.launcher import launch
-from stalerl.workers.process import WorkerFailure, failure_exit_code
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    _, _, flags = parse_args(argv)
-    cfg = load_config(argv)
-    try:
-        launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
-    except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
-        print(f"stalerl: {failure}", file=sys.stderr)
-        return failure_exit_code(failure)
-    return 0
-
+from stalerl.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

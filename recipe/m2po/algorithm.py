@@ -14,7 +14,9 @@ Pure torch. With d = log(pi_theta / pi_behaviour) per token and A the advantage:
 Fast selection. A token with d^2 <= tau can never be masked: the prefix means of the ascending d^2 of T never
 decrease, and a prefix ending at a value <= tau has mean <= tau. So only the "high" tokens (d^2 > tau) are sorted,
 and the low ones enter as one sum and one count. Under a realistic stale distribution the high set is a few per cent
-of the tokens, so the cost is one elementwise pass plus a small sort, with a constant number of host syncs.
+of the tokens, so the cost is one elementwise pass plus a small sort. The pass runs in cache-sized slices on CPU and
+over the whole tensor on accelerators (a constant number of host syncs there). The d^2 > tau test is exact: tau is
+replaced by the largest float32 <= tau, so a float32 d^2 just above tau can never hide among the low tokens.
 
 Across data-parallel ranks (``group``), each rank contributes its low sum/count (all_reduce) and its high values
 (all_gather of variable-length lists), and every rank takes the identical decision; a rank with no tokens still
@@ -108,6 +110,90 @@ def _validate_threshold(tau: float) -> float:
     return float(tau)
 
 
+# Elements per slice of the CPU pass: small enough that the temporaries stay in cache and come from the heap (a fresh
+# multi-MB buffer per elementwise op costs more in page faults than the op itself), large enough to amortise the
+# per-op overhead. On accelerators the pass runs over the whole tensor at once (one host sync).
+_CPU_CHUNK = 1 << 18
+
+
+def _float32_floor(tau: float) -> float:
+    """The largest float32 value <= tau. For a float32 x, ``x > tau`` (exact) iff ``x > _float32_floor(tau)``, and the
+    right-hand comparison is exact in float32 (comparing a float32 tensor with ``tau`` itself rounds tau first)."""
+    t32 = torch.tensor(tau, dtype=torch.float32)
+    if float(t32) > tau:
+        t32 = torch.nextafter(t32, torch.tensor(-math.inf, dtype=torch.float32))
+    return float(t32)
+
+
+def _local_pass(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, tau_lo: float,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over the local tokens.
+
+    Returns (T as a bool mask shaped like ``valid``; flat indices of the high tokens (d^2 > tau), in token order;
+    their d^2 in float32; [sum of the low d^2 of T (float64), |T| - #high, #valid] as a float64 tensor).
+
+    Per token, e = sign(A) * d is > 0 exactly on the trust-region quadrants (sign(A) is exact, so the product is
+    exactly +-d or 0); fmax(e, 0) turns everything else, NaN included, into 0, so e^2 is d^2 on T and 0 elsewhere.
+    """
+    device = valid.device
+    n = valid.numel()
+    lr = log_ratio.detach().reshape(-1)
+    adv = advantages.detach().reshape(-1)
+    ok = valid.reshape(-1)
+    in_t = torch.empty(n, dtype=torch.bool, device=device)
+    chunk = _CPU_CHUNK if device.type == "cpu" else max(n, 1)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    idx_parts, val_parts, sum_parts = [], [], []
+    for start in range(0, n, chunk):
+        part = slice(start, min(n, start + chunk))
+        e = torch.sign(adv[part])
+        if e.dtype != torch.float32:
+            e = e.float()
+        e.masked_fill_(~ok[part], 0.0)  # before the product: padding may hold NaN/inf, and 0 * inf is NaN
+        e.mul_(lr[part])  # computes in float32 at least, so a bf16 log-ratio is widened, never squared in bf16
+        torch.fmax(e, zero, out=e)
+        torch.gt(e, 0, out=in_t[part])
+        e.mul_(e)  # d^2 in float32 on T, 0 elsewhere
+        idx = (e > tau_lo).nonzero().squeeze(1)
+        vals = e[idx]
+        e[idx] = 0.0
+        sum_parts.append(e.sum(dtype=torch.float64))
+        idx_parts.append(idx + start)
+        val_parts.append(vals)
+    if idx_parts:
+        high_idx = torch.cat(idx_parts)
+        high_vals = torch.cat(val_parts)
+        low_sum = torch.stack(sum_parts).sum()
+    else:
+        high_idx = torch.zeros(0, dtype=torch.int64, device=device)
+        high_vals = torch.zeros(0, dtype=torch.float32, device=device)
+        low_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_t = torch.count_nonzero(in_t)
+    totals = torch.stack([
+        low_sum,
+        (n_t - high_idx.numel()).to(torch.float64),
+        torch.count_nonzero(ok).to(torch.float64),
+    ])
+    return in_t.view(valid.shape), high_idx, high_vals, totals
+
+
+def _sort_by_value_then_position(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(values, stable=True)`` for non-negative float32 values, as one sort of int64 keys.
+
+    A non-negative float's bit pattern orders like the float, so (bits << 32) | position sorts by value, then by
+    position: a stable sort without the stable sort's cost (on CPU an integer sort is several times faster).
+    """
+    n = values.numel()
+    if n >= 1 << 31:
+        return torch.sort(values, stable=True)
+    positions = torch.arange(n, device=values.device, dtype=torch.int64)
+    keys = (values.contiguous().view(torch.int32).to(torch.int64) << 32) | positions
+    keys = torch.sort(keys).values
+    order = keys & 0xFFFFFFFF
+    sorted_vals = (keys >> 32).to(torch.int32).view(torch.float32)
+    return sorted_vals, order
+
+
 @torch.no_grad()
 def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, tau: float,
                 *, group: Optional[Any] = None) -> M2POSelection:
@@ -118,21 +204,11 @@ def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask
     """
     tau = _validate_threshold(tau)
     valid = response_mask.bool()
-    d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), dtype=torch.float32, device=valid.device))
-    sq = d * d
-    in_t = trust_region_mask(d, advantages, valid)
-    high = in_t & (sq > tau)
-    low = in_t & ~high
     f64 = torch.float64
-    zero = torch.zeros((), dtype=torch.float32, device=sq.device)
-    # [low sum, low count, valid count]: low d^2 are never masked, so they enter only as a sum and a count.
-    totals = torch.stack([
-        torch.where(low, sq, zero).sum(dtype=f64),
-        low.sum().to(f64),
-        valid.sum().to(f64),
-    ])
-    flat_idx = high.flatten().nonzero().squeeze(1)  # row-major = token order; the one data-dependent sync
-    high_vals = sq.flatten()[flat_idx]
+    device = valid.device
+    # low (d^2 <= tau) tokens of T are never masked, so they enter only as a sum and a count:
+    # totals = [low sum, low count, valid count].
+    in_t, flat_idx, high_vals, totals = _local_pass(log_ratio, advantages, valid, _float32_floor(tau))
 
     if group is not None:
         all_vals, offset = _gather_variable(high_vals, group)
@@ -142,14 +218,14 @@ def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask
 
     low_sum, low_count, num_valid = totals[0], totals[1], totals[2]
     # Stable ascending sort: among ties the earlier token sorts first and is kept longer (later ones go first).
-    sorted_vals, order = torch.sort(all_vals, stable=True)
+    sorted_vals, order = _sort_by_value_then_position(all_vals)
     sorted64 = sorted_vals.to(f64)
     prefix_sum = low_sum + torch.cumsum(sorted64, 0)
-    prefix_cnt = low_count + torch.arange(1, sorted64.numel() + 1, device=sq.device, dtype=f64)
+    prefix_cnt = low_count + torch.arange(1, sorted64.numel() + 1, device=device, dtype=f64)
     within = (prefix_sum / prefix_cnt) <= tau
     # Prefix means are non-decreasing; count the leading run anyway so rounding can never produce a hole.
     n_keep_high = within.to(torch.int64).cumprod(0).sum()
-    keep_sorted = torch.arange(sorted64.numel(), device=sq.device) < n_keep_high
+    keep_sorted = torch.arange(sorted64.numel(), device=device) < n_keep_high
     keep_all = torch.empty_like(keep_sorted)
     keep_all[order] = keep_sorted
     keep_high_local = keep_all[offset:offset + high_vals.numel()]
@@ -159,7 +235,7 @@ def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask
     keep_mask = keep_flat.view_as(valid)
 
     kept_high_sum = (sorted64 * keep_sorted).sum()
-    n_high = torch.tensor(float(sorted64.numel()), dtype=f64, device=sq.device)
+    n_high = torch.tensor(float(sorted64.numel()), dtype=f64, device=device)
     n_keep_f = n_keep_high.to(f64)
     kept_sum = low_sum + kept_high_sum
     kept_cnt = low_count + n_keep_f
@@ -167,8 +243,8 @@ def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask
     all_cnt = low_count + n_high
     stats = torch.stack([
         num_valid, all_cnt, n_high - n_keep_f,
-        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
-        torch.where(kept_cnt > 0, kept_sum / kept_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
+        torch.where(kept_cnt > 0, kept_sum / kept_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
     ]).tolist()
     return M2POSelection(
         keep_mask=keep_mask, trust_region=in_t, num_valid=int(stats[0]), num_trust_region=int(stats[1]),
@@ -199,21 +275,22 @@ def selection_from_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, respo
     """Diagnostics of a precomputed keep mask, restricted to these tensors (e.g. one micro-batch)."""
     with torch.no_grad():
         valid = response_mask.bool()
-        d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), device=valid.device))
+        device = valid.device
+        d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), device=device))
         sq = d * d
         in_t = trust_region_mask(d, advantages, valid)
         keep = keep_mask.bool() & valid
         kept_t = in_t & keep
         f64 = torch.float64
-        zero = torch.zeros((), dtype=torch.float32, device=sq.device)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
         t_sum = torch.where(in_t, sq, zero).sum(dtype=f64)
         k_sum = torch.where(kept_t, sq, zero).sum(dtype=f64)
         n_t = in_t.sum().to(f64)
         n_k = kept_t.sum().to(f64)
         stats = torch.stack([
             valid.sum().to(f64), n_t, (valid & ~keep).sum().to(f64),
-            torch.where(n_t > 0, t_sum / n_t.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
-            torch.where(n_k > 0, k_sum / n_k.clamp(min=1), torch.zeros((), dtype=f64, device=sq.device)),
+            torch.where(n_t > 0, t_sum / n_t.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
+            torch.where(n_k > 0, k_sum / n_k.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
         ]).tolist()
     return M2POSelection(keep_mask=keep, trust_region=in_t, num_valid=int(stats[0]), num_trust_region=int(stats[1]),
                          num_masked=int(stats[2]), m2_before=stats[3], m2_after=stats[4], threshold=float(tau))

@@ -1,0 +1,80 @@
+"""The command line of the main job (``examples/math/gsm8k_rl.py`` and ``python -m stalerl.cli``).
+
+    python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot]
+
+A ``key=a,b,c`` override makes it a sweep over the grid of values (see :mod:`stalerl.sweep`). Every config of a
+sweep is loaded and validated before the first run starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from stalerl.config import load_config, parse_args, run_dir
+from stalerl.launcher import launch
+from stalerl.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
+from stalerl.workers.process import WorkerFailure, failure_exit_code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_path, overrides, flags = parse_args(argv)
+    if not flags.get("help") and is_sweep(overrides):
+        return run_sweep(config_path, overrides, dry_run=bool(flags.get("dry_run")))
+    cfg = load_config(argv)
+    try:
+        launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
+    except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
+        print(f"stalerl: {failure}", file=sys.stderr)
+        return failure_exit_code(failure)
+    return 0
+
+
+def _config_args(config_path: Optional[str]) -> list[str]:
+    return ["--config", config_path] if config_path else []
+
+
+def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool = False) -> int:
+    fixed, axes = sweep_axes(overrides)
+    if any(k == "scheduler.type" for k, _ in axes):
+        raise ValueError("scheduler.type cannot be swept: a sweep runs under one scheduler")
+    base = load_config([*_config_args(config_path), *fixed])
+    runs = expand(overrides, base.trial_name)
+    configs = [load_config([*_config_args(config_path), *ovr]) for _, ovr in runs]  # all validated up front
+    print(f"sweep: {len(runs)} runs over {', '.join(k for k, _ in axes)} (scheduler.type={base.scheduler.type})")
+    for trial, ovr in runs:
+        print(f"  {trial}")
+    if dry_run:
+        return 0
+    kind = base.scheduler.type
+    if kind == "local":
+        statuses = _run_local(config_path, runs)
+    else:
+        from stalerl.launcher import run_sweep_on
+
+        statuses = run_sweep_on(kind, config_path, runs, configs)
+    rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
+    out = write_summary(rows, run_dir(base).parent)
+    print(out.read_text())
+    print(f"sweep summary written to {out}")
+    return 0 if all(s == "ok" for s in statuses) else 1
+
+
+def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]]) -> list[str]:
+    """One run after another, each in its own process (a failed run does not stop the sweep)."""
+    statuses = []
+    for i, (trial, ovr) in enumerate(runs, 1):
+        start = time.perf_counter()
+        print(f"[{i}/{len(runs)}] {trial}", flush=True)
+        res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr])
+        status = "ok" if res.returncode == 0 else f"failed ({res.returncode})"
+        print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
+        statuses.append(status)
+    return statuses
+
+
+if __name__ == "__main__":
+    sys.exit(main())
