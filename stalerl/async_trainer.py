@@ -35,7 +35,8 @@ from stalerl.rollout.admission import StalenessManager
 from stalerl.rollout.batch import concat_batches
 from stalerl.staleness import staleness_stats
 from stalerl.trainer import Trainer
-from stalerl.workers.process import CTX, WorkerFailure, WorkerProcess, failure_exit_code
+from stalerl.workers.hosting import make_hosting, worker_resources
+from stalerl.workers.process import WorkerFailure, WorkerProcess, failure_exit_code
 from stalerl.workers.rollout_worker import from_wire, to_wire
 from stalerl.workers.train_worker import broadcast_parameters, init_group
 
@@ -58,7 +59,8 @@ class AsyncTrainer(Trainer):
                                         cfg.rollout.max_concurrent_rollouts or b)
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
-        self.results = CTX.Queue()
+        self.hosting = make_hosting(cfg, self.run_dir / "logs")
+        self.results = self.hosting.results
         self.rollout_workers: list[WorkerProcess] = []
         self.train_workers: list[WorkerProcess] = []
         self.outstanding: dict[str, int] = {}  # tasks queued per rollout worker
@@ -73,21 +75,23 @@ class AsyncTrainer(Trainer):
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
-        log_dir = self.run_dir / "logs"
         total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches
+        res = worker_resources(self.cfg)
+        self.hosting.reserve("rollout", self.n_rollout, res)
+        self.hosting.reserve("train", self.n_train - 1, res)  # rank 0 is this controller
         self._start_dispatcher()
         if self.n_train > 1:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+            init_method = f"tcp://{self.hosting.host_address()}:{free_port()}"
             for rank in range(1, self.n_train):
-                self.train_workers.append(WorkerProcess(
+                self.train_workers.append(self.hosting.spawn(
                     f"train/{rank}", "stalerl.workers.train_worker", "TrainWorker",
                     dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
-                         total_updates=total_updates), self.results, log_dir))
+                         total_updates=total_updates), res))
             group = init_group(0, self.n_train, init_method, timeout_s=300.0)
             self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
         for i in range(self.n_rollout):
-            w = WorkerProcess(f"rollout/{i}", "stalerl.workers.rollout_worker", "RolloutWorker",
-                              dict(cfg=self.cfg, index=i), self.results, log_dir)
+            w = self.hosting.spawn(f"rollout/{i}", "stalerl.workers.rollout_worker", "RolloutWorker",
+                                   dict(cfg=self.cfg, index=i), res)
             self.rollout_workers.append(w)
             self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
@@ -100,6 +104,7 @@ class AsyncTrainer(Trainer):
             w.stop()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        self.hosting.close()
 
     def _start_dispatcher(self) -> None:
         self.dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
@@ -221,7 +226,7 @@ class AsyncTrainer(Trainer):
         start = time.perf_counter()
         version = self.step
         if self.cfg.rollout.weight_sync == "shared_memory":
-            state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in self.model.state_dict().items()}
+            state = self.hosting.share(self.model.state_dict())
             for w in self.rollout_workers:
                 w.call("load_weights", version, state)
         else:

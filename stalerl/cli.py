@@ -8,6 +8,7 @@ sweep is loaded and validated before the first run starts.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,11 +16,14 @@ from typing import Optional
 
 from stalerl.config import load_config, parse_args, run_dir
 from stalerl.launcher import launch
+from stalerl.trainer import LAUNCH_TIME_ENV
 from stalerl.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
 from stalerl.workers.process import WorkerFailure, failure_exit_code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # When the job was launched, for the start-up overhead metric (inherited by workers, tasks and Slurm jobs).
+    os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
     argv = sys.argv[1:] if argv is None else list(argv)
     config_path, overrides, flags = parse_args(argv)
     if not flags.get("help") and is_sweep(overrides):

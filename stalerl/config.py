@@ -554,7 +554,7 @@ class StatsLoggerConfig(_Section):
 class WarmStartConfig(_Section):
     """Supervised warm start on the generator's worked answers before RL."""
 
-    steps: int = _f(325, ge=0, help="Supervised steps before RL; 0 disables. Only needed for from-scratch tiny "
+    steps: int = _f(500, ge=0, help="Supervised steps before RL; 0 disables. Only needed for from-scratch tiny "
                                     "models; set 0 for pretrained checkpoints.")
     batch_size: int = _f(64, ge=1, help="Examples per supervised step.")
     lr: float = _f(1e-3, gt=0.0, help="Supervised learning rate.")

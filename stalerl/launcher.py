@@ -23,10 +23,12 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
         print(config_to_yaml(cfg))
         return {}
     kind = cfg.scheduler.type
-    if kind != "local":
-        raise NotImplementedError(
-            f"scheduler.type={kind!r} is not available in this version; use scheduler.type=local")
-    result = build_trainer(cfg).train()
+    if kind == "slurm":
+        raise NotImplementedError("scheduler.type='slurm' is wired in stalerl.cli")
+    if kind == "ray" and not is_async(cfg):
+        result = _run_sync_on_ray(cfg)
+    else:
+        result = build_trainer(cfg).train()
     if plot:
         from stalerl.plot import plot_runs
 
@@ -35,7 +37,86 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
     return result
 
 
+def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The single-process loop (fixed staleness) as one Ray task, with the resources of one worker."""
+    from stalerl.workers.hosting import import_ray, worker_resources
+
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        address = cfg.scheduler.ray_address
+        ray.init(address=address, include_dashboard=False) if address else ray.init(include_dashboard=False)
+    try:
+        res = worker_resources(cfg)
+        task = ray.remote(_train_in_task).options(num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0)
+        return ray.get(task.remote(cfg))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _train_in_task(cfg: ExperimentConfig) -> dict[str, Any]:
+    return build_trainer(cfg).train()
+
+
 def run_sweep_on(kind: str, config_path, runs, configs) -> list[str]:
     """Run the sweep's runs under a cluster scheduler; returns one status per run."""
-    raise NotImplementedError(f"sweeps under scheduler.type={kind!r} are not available in this version; "
-                              "use scheduler.type=local")
+    if kind == "ray":
+        return _run_sweep_on_ray(config_path, runs, configs)
+    if kind == "slurm":
+        from stalerl.schedulers.slurm import run_sweep
+
+        return run_sweep(config_path, runs, configs)
+    raise ValueError(f"unknown scheduler.type {kind!r}")
+
+
+def run_cpus(cfg: ExperimentConfig) -> float:
+    """CPUs one run occupies: torch_threads per process (the controller plus its worker processes)."""
+    from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+
+    processes = 1
+    if is_async(cfg):
+        processes = (parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
+                     + parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp)
+    return float(cfg.torch_threads * processes)
+
+
+def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
+    """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
+    its task a run uses the local scheduler for its own worker processes."""
+    from stalerl.workers.hosting import import_ray, worker_resources
+
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        address = configs[0].scheduler.ray_address
+        ray.init(address=address, include_dashboard=False) if address else ray.init(include_dashboard=False)
+    try:
+        total = ray.cluster_resources().get("CPU", 0.0)
+        refs = []
+        for (trial, overrides), cfg in zip(runs, configs):
+            cpus = run_cpus(cfg)
+            if cpus > total:
+                raise RuntimeError(f"sweep run {trial} needs {cpus:g} CPUs but the Ray cluster has {total:g}")
+            argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
+            task = ray.remote(_cli_in_task).options(num_cpus=cpus, num_gpus=worker_resources(cfg).gpus,
+                                                    max_retries=0)
+            refs.append(task.remote(argv))
+        statuses = []
+        for (trial, _), ref in zip(runs, refs):
+            try:
+                code = ray.get(ref)
+                statuses.append("ok" if code == 0 else f"failed ({code})")
+            except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
+                statuses.append(f"failed ({type(exc).__name__})")
+            print(f"{trial}: {statuses[-1]}", flush=True)
+        return statuses
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _cli_in_task(argv: list[str]) -> int:
+    from stalerl.cli import main
+
+    return main(argv)

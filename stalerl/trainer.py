@@ -28,6 +28,7 @@ from stalerl.rollout.engine import HFRolloutEngine, generation_seed
 from stalerl.staleness import StaleFIFO, staleness_stats
 from stalerl.warm_start import warm_start
 
+LAUNCH_TIME_ENV = "STALERL_LAUNCH_TIME"
 SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
                 "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
 
@@ -50,6 +51,8 @@ def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, *, log=print):
+        self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
+        self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
         self.cfg = cfg
         self.log = log
         torch.set_num_threads(cfg.torch_threads)
@@ -177,15 +180,22 @@ class Trainer:
                                  self.train_examples, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
                                  lr=cfg.warm_start.lr, seed=cfg.seed, log=self.log)
             self.warm_start_done = True
+            self.excluded_s += summary.get("warm_start/seconds", 0.0)
             if cfg.evaluator.at_start and cfg.evaluator.freq_steps:
+                t_eval = time.perf_counter()
                 summary.update(self.evaluate())
+                self.excluded_s += time.perf_counter() - t_eval
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
         self.on_training_start()
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
+        startup_s = time.time() - self.launch_time - self.excluded_s
         while self.step < self.total_steps:
             last = self.train_step()
+            if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
+                last["timing/startup_overhead_s"] = startup_s
+                startup_s = None
             step = self.step
             if cfg.evaluator.freq_steps and (step % cfg.evaluator.freq_steps == 0 or step == self.total_steps):
                 last.update(self.evaluate())

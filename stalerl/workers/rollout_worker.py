@@ -27,7 +27,8 @@ def to_wire(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_wire(state: dict[str, Any]) -> RolloutBatch:
-    return RolloutBatch.from_state({k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+    return RolloutBatch.from_state({k: (torch.from_numpy(v if v.flags.writeable else v.copy())
+                                    if isinstance(v, np.ndarray) else v)
                                     for k, v in state.items()})
 
 
