@@ -55,6 +55,11 @@ class Trainer:
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
         self.cfg = cfg
         self.log = log
+        engine = cfg.rollout.backend.split(":", 1)[0]
+        if engine != "hf":
+            raise NotImplementedError(
+                f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
+                "version; use rollout.backend=hf:dX (transformers generate, CPU or GPU)")
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)

@@ -111,3 +111,32 @@ def test_bad_inputs_fail_before_training(tmp_path, override, needle):
     assert needle in res.stderr
     assert "warm start" not in res.stdout  # failed before any work
     assert not list((tmp_path / "runs").rglob("metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_local_sweep_2x2_runs_every_point_and_writes_a_summary(tmp_path):
+    res = _run_script([*small_overrides(tmp_path, **{"total_train_steps": 2}), "trial_name=sw",
+                       "actor.loss=m2po,vanilla", "rollout.fixed_staleness=0,1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    root = tmp_path / "runs" / "gsm8k-m2po-cpu"
+    trials = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert trials == ["sw-loss=m2po-fixed_staleness=0", "sw-loss=m2po-fixed_staleness=1",
+                      "sw-loss=vanilla-fixed_staleness=0", "sw-loss=vanilla-fixed_staleness=1"]
+    for t in trials:
+        cfg = load_config(["--config", str(root / t / "config.yaml")])
+        assert cfg.trial_name == t
+        assert cfg.actor.loss == t.split("loss=")[1].split("-")[0]
+    summary = (root / "sweep_summary.md").read_text()
+    assert summary.count("| ok |") == 4
+    rows = json.loads((root / "sweep_summary.json").read_text())
+    assert {r["trial"] for r in rows} == set(trials)
+    assert all(r["steps"] == 2 for r in rows)
+    m2po = [r for r in rows if "m2po" in r["trial"]]
+    assert all(r["masked_fraction"] is not None and r["clip_fraction"] is None for r in m2po)
+
+
+def test_sweep_validates_every_point_before_running(tmp_path):
+    res = _run_script([*small_overrides(tmp_path), "actor.m2_threshold=0.04,-1"])
+    assert res.returncode != 0
+    assert "m2_threshold" in res.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("metrics.jsonl"))
