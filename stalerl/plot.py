@@ -143,6 +143,7 @@ def plot_runs(
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
     for ax, metric, row in zip(axes, metrics, resolved):
+        smoothed = False
         for name, records, key in zip(names, runs, row):
             if key is None:
                 continue
@@ -150,10 +151,17 @@ def plot_runs(
             if not steps:
                 say(f"metric {metric!r} has no numeric values in run {name!r}")
                 continue
-            ax.plot(steps, moving_average(values, smooth), label=name, linewidth=1.4)
+            # A sparse metric (e.g. eval every N steps) is drawn as measured: averaging its few points over a
+            # window of N *points* would smear it over N*freq steps.
+            sparse = len(steps) < 0.5 * len(records)
+            if sparse:
+                ax.plot(steps, values, label=name, linewidth=1.4, marker="o", markersize=3)
+            else:
+                ax.plot(steps, moving_average(values, smooth), label=name, linewidth=1.4)
+                smoothed = smoothed or smooth > 1
         keys_used = sorted({k for k in row if k is not None})
         ax.set_ylabel(metric)
-        ax.set_title(", ".join(keys_used) + (f" (moving average {smooth})" if smooth > 1 else ""), fontsize=9)
+        ax.set_title(", ".join(keys_used) + (f" (moving average {smooth})" if smoothed else ""), fontsize=9)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
