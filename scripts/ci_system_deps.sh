@@ -23,22 +23,16 @@ give_up() {
   exit 0
 }
 
-missing_pkgs=()
-for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing_pkgs+=("$p")
-  fi
-done
 missing_bins=()
 for b in "${NEEDED_BINARIES[@]}"; do
   command -v "$b" >/dev/null 2>&1 || [ -x "/usr/sbin/$b" ] || missing_bins+=("$b")
 done
-
-if [ ${#missing_pkgs[@]} -eq 0 ] && [ ${#missing_bins[@]} -eq 0 ]; then
-  say "already installed: ${PACKAGES[*]} ($(dpkg-query -W -f='${Version}' slurm-wlm 2>/dev/null || echo '?')); nothing to do"
+if [ ${#missing_bins[@]} -eq 0 ]; then
+  say "already available: ${NEEDED_BINARIES[*]} (slurm-wlm $(dpkg-query -W -f='${Version}' slurm-wlm 2>/dev/null || echo '?')); nothing to do"
   exit 0
 fi
-[ ${#missing_pkgs[@]} -eq 0 ] && missing_pkgs=("${PACKAGES[@]}")   # a binary is missing: reinstall all
+say "missing: ${missing_bins[*]}"
+missing_pkgs=("${PACKAGES[@]}")
 
 command -v apt-get >/dev/null 2>&1 || give_up "apt-get not found; install ${missing_pkgs[*]} with your package manager"
 SUDO=()

@@ -29,6 +29,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not flags.get("help") and is_sweep(overrides):
         return run_sweep(config_path, overrides, dry_run=bool(flags.get("dry_run")))
     cfg = load_config(argv)
+    if cfg.scheduler.type == "slurm":  # sbatch; inside the job this CLI runs again with scheduler.type=ray/local
+        from stalerl.schedulers.slurm import launch as launch_slurm
+
+        return launch_slurm(cfg, config_path, overrides, bool(flags.get("dry_run")))
     try:
         launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
     except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
@@ -52,6 +56,10 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
     for trial, ovr in runs:
         print(f"  {trial}")
     if dry_run:
+        if base.scheduler.type == "slurm":  # also print the job array's sbatch script
+            from stalerl.schedulers.slurm import run_sweep as slurm_sweep
+
+            slurm_sweep(config_path, runs, configs, dry_run=True)
         return 0
     kind = base.scheduler.type
     if kind == "local":

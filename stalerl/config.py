@@ -249,27 +249,62 @@ class ClusterConfig(_Section):
 
 @dataclass
 class SlurmConfig(_Section):
-    """sbatch settings, used only when scheduler.type=slurm."""
+    """sbatch settings, used only when scheduler.type=slurm (see stalerl/schedulers/slurm.py)."""
 
-    partition: Optional[str] = _f(None, help="Slurm partition (--partition); null = the cluster default.")
-    account: Optional[str] = _f(None, help="Slurm account (--account); null = your default account.")
+    partition: Optional[str] = _f(None, help="Slurm partition (--partition), or a comma-separated list; null = the "
+                                             "cluster default. Letters, digits and _ . + - only.")
+    account: Optional[str] = _f(None, help="Slurm account (--account); null = your default account. Letters, digits "
+                                           "and _ . + - only.")
     time: str = _f("01:00:00", help="Wall-clock limit (--time), Slurm format [D-]HH:MM:SS, MM:SS or minutes. "
                                     "Quote it in YAML (time: \"1:00:00\"): YAML reads unquoted 1:00:00 as a "
                                     "base-60 integer.")
     mem: str = _f("16G", help="Memory per node (--mem), e.g. 16G, 64000M.")
-    cpus_per_task: int = _f(2, ge=1, help="CPUs per task (--cpus-per-task).")
+    cpus_per_task: int = _f(2, ge=1, help="CPUs per task (--cpus-per-task); one task per node, so this is also the "
+                                          "Ray CPUs of each node.")
     gpus_per_node: int = _f(0, ge=0, help="GPUs per node (--gres=gpu:N); 0 = no GPU request.")
-    nodes: int = _f(1, ge=1, help="Nodes (--nodes).")
-    extra_sbatch_args: List[str] = _f(factory=list, help="Extra sbatch arguments, passed verbatim, e.g. "
-                                                          "[--qos=high,--constraint=a100].")
-    dry_run: bool = _f(False, help="Write the sbatch script and print the command instead of submitting it.")
+    nodes: int = _f(1, ge=1, help="Nodes (--nodes). With more than one, a Ray cluster spans them (inner scheduler "
+                                  "ray).")
+    extra_sbatch_args: List[str] = _f(factory=list, help="Extra sbatch options, each '--name' or '--name=value' "
+                                                          "(long form; the value is quoted), e.g. "
+                                                          "[--qos=high,--constraint=a100]. Options this scheduler "
+                                                          "sets itself (job-name, output, array, nodes, ...) are "
+                                                          "refused: use their scheduler.slurm.* keys.")
+    dry_run: bool = _f(False, help="Write the sbatch script and print it instead of submitting it (same as "
+                                   "--dry-run).")
+    wait: bool = _f(True, help="Wait for the job, report its state, log tail and start-up time; false = return "
+                               "right after submission (the job id and log path are printed). Sweeps always wait: "
+                               "their summary table needs the results.")
+    inner_scheduler: Optional[str] = _f(None, choices=("local", "ray"),
+                                        help="scheduler.type of the run inside the allocation. ray = a Ray cluster "
+                                             "is started across the allocated nodes (needed for nodes > 1); local = "
+                                             "worker processes on the first node, no Ray. null = ray for a single "
+                                             "job, local for each task of a sweep's job array (self-contained "
+                                             "tasks, no Ray start-up per task).")
+    max_parallel: Optional[int] = _f(None, ge=1, help="Sweeps: at most this many array tasks run at once "
+                                                      "(--array=0-N%max_parallel); null = as many as fit.")
+    python: Optional[str] = _f(None, help="Python executable inside the job; null = the one running the "
+                                          "submission (sys.executable). It must see the same stalerl install.")
+    poll_interval_s: float = _f(1.0, gt=0.0, help="Seconds between job state polls while waiting.")
+    wait_timeout_s: Optional[float] = _f(None, gt=0.0, help="Stop waiting after this many seconds (the job keeps "
+                                                            "running; its id is printed); null = wait until it ends.")
+    ray_start_timeout_s: float = _f(180.0, gt=0.0, help="Inside the job: seconds to wait for the Ray head and for "
+                                                        "every node to join before failing.")
+    log_tail_lines: int = _f(40, ge=0, help="Lines of the job log printed when a job fails.")
 
     def _check(self) -> List[Tuple[str, str]]:
-        out = []
-        if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+|UNLIMITED|INFINITE", self.time.strip()):
+        out: List[Tuple[str, str]] = []
+        if (self.partition is not None or self.account is not None or self.python is not None
+                or self.extra_sbatch_args or re.search(r"[\x00-\x1f\x7f]", self.time + self.mem)):
+            # the validators live with the scheduler; imported only when there is something for them to check
+            from stalerl.schedulers.slurm import slurm_config_problems
+
+            out = slurm_config_problems(self)
+        bad = {key for key, _ in out}
+        if "time" not in bad and not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+|UNLIMITED|INFINITE",
+                                                  self.time.strip()):
             out.append(("time", f"got {self.time!r}; expected a Slurm time limit such as 01:00:00, 2-00:00:00, "
                                 "90:00 or 120 (minutes). Fix: set scheduler.slurm.time=01:00:00."))
-        if not re.fullmatch(r"\d+[KMGT]?B?", self.mem.strip(), flags=re.IGNORECASE):
+        if "mem" not in bad and not re.fullmatch(r"\d+[KMGT]?B?", self.mem.strip(), flags=re.IGNORECASE):
             out.append(("mem", f"got {self.mem!r}; expected a Slurm memory size such as 16G or 64000M. "
                                "Fix: set scheduler.slurm.mem=16G."))
         return out

@@ -1,0 +1,4 @@
+"""Cluster schedulers that submit a whole run (or a sweep) as batch jobs: ``slurm`` (:mod:`stalerl.schedulers.slurm`).
+
+Nothing is imported here, so that choosing another scheduler pays no import cost for these modules.
+"""
