@@ -36,6 +36,7 @@ def run(root: Path, trial: str, steps: int, extra: list[str]) -> list[dict]:
 
 
 def summarize(rows: list[dict], skip: int) -> dict:
+    startup = rows[0].get("timing/startup_overhead_s")
     rows = rows[skip:]
     step_s = sum(r["timing/step_s"] for r in rows) / len(rows)
     return {
@@ -48,7 +49,9 @@ def summarize(rows: list[dict], skip: int) -> dict:
         "t_gen": statistics.mean(r.get("timing/gen_s", 0.0) for r in rows),
         "t_train": statistics.mean(r["timing/train_s"] for r in rows),
         "wait": statistics.mean(r.get("timing/wait_for_data_s", 0.0) for r in rows),
-        "startup": rows[0].get("timing/startup_overhead_s"),
+        "startup": startup,
+        "publish_ms": 1e3 * statistics.mean(r.get("timing/weight_publish_s", 0.0) for r in rows),
+        "load_ms": 1e3 * statistics.mean(r.get("timing/weight_load_s", 0.0) for r in rows),
     }
 
 
@@ -71,12 +74,14 @@ def main() -> None:
     print(f"sync per step: t_gen {base['t_gen'] * 1e3:.1f} ms, t_train {base['t_train'] * 1e3:.1f} ms -> ideal "
           f"d1+d1 speed-up {ideal:.2f}x")
     print(f"{'run':28s} {'s/step':>7s} {'steps/min':>9s} {'gen tok/s':>9s} {'train tok/s':>11s} "
-          f"{'stale avg/max':>13s} {'wait s':>7s} {'speed-up':>8s} {'% of ideal':>10s} {'startup s':>9s}")
+          f"{'stale avg/max':>13s} {'wait s':>7s} {'speed-up':>8s} {'% of ideal':>10s} {'startup s':>9s} "
+          f"{'sync ms (publish/load)':>22s}")
     for name, r in results.items():
         speed = base["step_s"] / r["step_s"]
+        of_ideal = "-" if r is base else f"{100 * speed / ideal:.0f}%"
         print(f"{name:28s} {r['step_s']:7.3f} {r['steps_per_min']:9.1f} {r['gen_tok_s']:9.0f} {r['train_tok_s']:11.0f} "
-              f"{r['stale_avg']:6.2f}/{r['stale_max']:<6.0f} {r['wait']:7.3f} {speed:7.2f}x {100 * speed / ideal:9.0f}% "
-              f"{r['startup'] or 0:9.1f}")
+              f"{r['stale_avg']:6.2f}/{r['stale_max']:<6.0f} {r['wait']:7.3f} {speed:7.2f}x {of_ideal:>10s} "
+              f"{r['startup'] or 0:9.1f} {r['publish_ms']:10.1f}/{r['load_ms']:<10.1f}")
 
 
 if __name__ == "__main__":
