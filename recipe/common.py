@@ -19,7 +19,8 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
 )
 
-# exp() of a log-ratio beyond this is clamped in the forward pass (gradient passes straight through), as verl does.
+# exp() of a log-ratio beyond this is clamped in the forward pass with a straight-through gradient (verl clamps the
+# forward value too, but its torch.clamp zeroes the gradient beyond the bound; the two differ only for |d| > 20).
 LOG_RATIO_CLAMP = 20.0
 
 _MISSING = object()

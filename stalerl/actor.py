@@ -62,7 +62,7 @@ def loss_config(actor_cfg: Any) -> dict[str, Any]:
     """The keys the registered losses read (see recipe.common.cfg_get), from the runtime's actor config."""
     return {
         "m2_threshold": actor_cfg.m2_threshold,
-        "m2_scope": "local",  # the actor selects over the whole mini-batch itself (all ranks), see module doc
+        "m2_scope": "local",  # inside the loss call; the actor's batch selector covers the mini-batch (module doc)
         "eps_clip": actor_cfg.eps_clip,
         "eps_clip_higher": actor_cfg.eps_clip_higher,
         "c_clip": actor_cfg.c_clip,
@@ -72,8 +72,11 @@ def loss_config(actor_cfg: Any) -> dict[str, Any]:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
-                 dp: Optional[DataParallel] = None):
+                 dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None):
         self.model = model
+        # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
+        # micro-batch's padded width, which would make the update depend on the split.
+        self.loss_scale_factor = loss_scale_factor
         self.cfg = actor_cfg
         self.temperature = float(temperature)
         self.dp = dp or DataParallel()
@@ -134,13 +137,26 @@ class Actor:
             torch.distributed.all_reduce(t, group=self.dp.group)
         return t
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """ppo_n_minibatches optimizer steps over the batch; returns step metrics (means over mini-batches)."""
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor,
+               minibatch_sizes: Optional[list[int]] = None) -> dict[str, float]:
+        """ppo_n_minibatches optimizer steps over the batch; returns step metrics (means over mini-batches).
+
+        ``minibatch_sizes``: this rank's rows of each global mini-batch, in order (data parallelism: the controller
+        cuts the batch into mini-batches first and shards each, so rank count cannot change the mini-batches)."""
         self.model.train()
         n_mini = int(self.cfg.ppo_n_minibatches)
-        # Exactly n_mini mini-batches, even if some are empty: every data-parallel rank must take the same number of
-        # optimizer steps (each one joins collectives).
-        chunks = [c.tolist() for c in torch.tensor_split(torch.arange(batch.num_rows), n_mini)]
+        if minibatch_sizes is None:
+            # Exactly n_mini mini-batches, even if some are empty: every data-parallel rank must take the same
+            # number of optimizer steps (each one joins collectives).
+            chunks = [c.tolist() for c in torch.tensor_split(torch.arange(batch.num_rows), n_mini)]
+        else:
+            if len(minibatch_sizes) != n_mini or sum(minibatch_sizes) != batch.num_rows:
+                raise ValueError(f"minibatch_sizes {minibatch_sizes} must have {n_mini} entries summing to "
+                                 f"{batch.num_rows} rows")
+            bounds = [0]
+            for size in minibatch_sizes:
+                bounds.append(bounds[-1] + size)
+            chunks = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
         per_step: list[dict[str, float]] = []
         for chunk in chunks:
             per_step.append(self._update_minibatch(batch.select(chunk), advantages[chunk]))
@@ -154,13 +170,16 @@ class Actor:
                                                    dtype=torch.float64))
         cfg = loss_config(self.cfg)
         cfg["global_batch_info"] = {"dp_size": self.dp.size, "batch_num_tokens": int(totals[0]),
-                                    "global_batch_size": int(totals[1])}
+                                    "global_batch_size": int(totals[1]), "loss_scale_factor": self.loss_scale_factor}
         extra_full: dict[str, torch.Tensor] = {}
         selection_metrics: dict[str, float] = {}
         if self.spec.batch_selector is not None and (len(micro) > 1 or self.dp.size > 1):
+            # One selection per mini-batch (no-grad forward over every micro-batch first), so splitting the
+            # mini-batch into micro-batches or ranks cannot change which tokens are masked.
             current = self.compute_logp(mini)
+            across_ranks = self.dp.size > 1 and self.cfg.m2_scope == "dp_group"
             selected = self.spec.batch_selector(mini.behavior_logp, current, adv, mini.response_mask, config=cfg,
-                                                group=self.dp.group if self.dp.size > 1 else None)
+                                                group=self.dp.group if across_ranks else None)
             selection = selected.pop("selection", None)
             if selection is not None:
                 selection_metrics = selection.metrics()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import traceback
 import socket
 import threading
 import time
@@ -56,7 +57,7 @@ class AsyncTrainer(Trainer):
         self.n_train = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp
         b = cfg.rollout.consumer_batch_size
         self.manager = StalenessManager(b, cfg.rollout.max_head_offpolicyness,
-                                        cfg.rollout.max_concurrent_rollouts or b)
+                                        cfg.rollout.max_concurrent_rollouts or b, queue_size=cfg.rollout.queue_size)
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
         self.hosting = make_hosting(cfg, self.run_dir / "logs")
@@ -71,12 +72,17 @@ class AsyncTrainer(Trainer):
         self.dispatcher: Optional[threading.Thread] = None
         self.counters = {"gen_tokens": 0, "gen_seconds": 0.0, "sync_seconds": 0.0, "admission_wait_s": 0.0}
         self.tasks_to_resubmit: list = []
-        self.weights_published = False  # nothing is admitted before the workers have version-0 weights
+        self.weights_published = False  # nothing is admitted before the version-0 weights exist
+        self.latest_weights: Any = None  # (version, worker method, shared state or file path)
+        self.sent_version: dict[str, int] = {}
+        self.loaded_version: dict[str, int] = {}
+        self.weight_files: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
         total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches
         res = worker_resources(self.cfg)
+        gpus = self._local_gpu_plan(res)
         self.hosting.reserve("rollout", self.n_rollout, res)
         self.hosting.reserve("train", self.n_train - 1, res)  # rank 0 is this controller
         self._start_dispatcher()
@@ -86,15 +92,27 @@ class AsyncTrainer(Trainer):
                 self.train_workers.append(self.hosting.spawn(
                     f"train/{rank}", "stalerl.workers.train_worker", "TrainWorker",
                     dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
-                         total_updates=total_updates), res))
+                         total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}")))
             group = init_group(0, self.n_train, init_method, timeout_s=300.0)
             self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.workers.rollout_worker", "RolloutWorker",
-                                   dict(cfg=self.cfg, index=i), res)
+                                   dict(cfg=self.cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
             self.rollout_workers.append(w)
             self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
+
+    def _local_gpu_plan(self, res) -> dict[str, int]:
+        """Local scheduler on CUDA: rank 0 (this process) keeps GPU 0, train ranks 1..Y-1 and the X rollout workers
+        get one device each. Not enough GPUs is an error before anything starts (no silent sharing)."""
+        if self.hosting.name != "local" or not res.gpus:
+            return {}
+        roles = [f"train/{r}" for r in range(1, self.n_train)] + [f"rollout/{i}" for i in range(self.n_rollout)]
+        have = torch.cuda.device_count()
+        if 1 + len(roles) > have:
+            raise RuntimeError(f"actor.backend={self.cfg.actor.backend!r} + rollout.backend={self.cfg.rollout.backend!r} "
+                               f"need {1 + len(roles)} GPUs on this machine (one per process), {have} visible")
+        return {role: i + 1 for i, role in enumerate(roles)}
 
     def shutdown(self) -> None:
         self.stop_event.set()
@@ -105,6 +123,8 @@ class AsyncTrainer(Trainer):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self.hosting.close()
+        for path in self.weight_files.values():  # transient sync files; the final model is saved separately
+            path.unlink(missing_ok=True)
 
     def _start_dispatcher(self) -> None:
         self.dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
@@ -123,6 +143,12 @@ class AsyncTrainer(Trainer):
 
     # ------------------------------------------------------------------ dispatcher thread
     def _dispatch_loop(self) -> None:
+        try:
+            self._dispatch()
+        except BaseException:  # noqa: BLE001 - a dead dispatcher must stop the run, never leave it waiting
+            self._fail(WorkerFailure("dispatcher", None, traceback.format_exc()))
+
+    def _dispatch(self) -> None:
         idle_since: Optional[float] = None
         while not self.stop_event.is_set():
             self._check_processes()
@@ -195,6 +221,7 @@ class AsyncTrainer(Trainer):
                 shares.setdefault(w.role, []).append((t.task_id, *t.payload))
             for w in self.rollout_workers:
                 if w.role in shares:
+                    self._send_latest_weights(w)  # queued before the tasks: they never run on older weights
                     self.outstanding[w.role] += len(shares[w.role])
                     w.call("generate", shares[w.role])
             return len(tasks)
@@ -206,7 +233,7 @@ class AsyncTrainer(Trainer):
                 self.ready.add(role)
             elif kind == "error":
                 worker = next((w for w in self.rollout_workers + self.train_workers if w.role == role), None)
-                self.failure = self.failure or WorkerFailure(role, None, out, worker.log_path if worker else None)
+                self._fail(WorkerFailure(role, None, out, worker.log_path if worker else None))
             elif role.startswith("rollout/"):
                 if isinstance(out, dict) and "results" in out:
                     for task_id, state in out["results"]:
@@ -215,28 +242,46 @@ class AsyncTrainer(Trainer):
                     self.counters["gen_tokens"] += out["tokens"]
                     self.counters["gen_seconds"] += out["seconds"]
                 else:  # a weight load
-                    self.counters["sync_seconds"] += float(out)
+                    self.counters["sync_seconds"] += out["seconds"]
+                    self.loaded_version[role] = out["version"]
+                    self._delete_unneeded_weight_files()
             else:
                 self.train_replies[role] = out
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ weights
     def publish_weights(self) -> float:
-        """Queue the current weights (version = self.step) to every rollout worker; returns the seconds spent."""
+        """Make the current weights (version = self.step) the ones every later task is generated with.
+
+        Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
+        so a busy worker never accumulates a backlog of weight sets, file handles or files."""
         start = time.perf_counter()
         version = self.step
         if self.cfg.rollout.weight_sync == "shared_memory":
-            state = self.hosting.share(self.model.state_dict())
-            for w in self.rollout_workers:
-                w.call("load_weights", version, state)
+            self.latest_weights = (version, "load_weights", self.hosting.share(self.model.state_dict()))
         else:
             path = self.run_dir / "weights" / f"v{version}.pt"
             atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
-            for w in self.rollout_workers:
-                w.call("load_weights_from_file", version, str(path))
-            old = self.run_dir / "weights" / f"v{version - 2}.pt"  # v-1 may still be loading
-            old.unlink(missing_ok=True)
+            self.weight_files[version] = path
+            self.latest_weights = (version, "load_weights_from_file", str(path))
+            self._delete_unneeded_weight_files()
         return time.perf_counter() - start
+
+    def _send_latest_weights(self, worker) -> None:
+        version, method, payload = self.latest_weights
+        if self.sent_version.get(worker.role, -1) < version:
+            worker.call(method, version, payload)
+            self.sent_version[worker.role] = version
+
+    def _delete_unneeded_weight_files(self) -> None:
+        """Disk sync: keep only the newest file and those sent to a worker that has not loaded them yet (a version
+        that was never sent never will be: sending is coalesced to the newest)."""
+        if not self.weight_files:
+            return
+        needed = {self.latest_weights[0]}
+        needed |= {v for role, v in self.sent_version.items() if self.loaded_version.get(role, -1) < v}
+        for version in [v for v in self.weight_files if v not in needed]:
+            self.weight_files.pop(version).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ checkpoint
     def checkpoint_state(self) -> dict[str, Any]:
@@ -256,6 +301,17 @@ class AsyncTrainer(Trainer):
     def train(self) -> dict[str, Any]:
         try:
             return self._train()
+        except WorkerFailure:
+            raise
+        except BaseException as exc:
+            # A dead train rank shows up in rank 0 as a collective error; report the worker's own failure instead.
+            deadline = time.time() + 3.0
+            while self.failure is None and time.time() < deadline:
+                self._check_processes()
+                time.sleep(0.1)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
         finally:
             self.shutdown()
 
@@ -294,6 +350,8 @@ class AsyncTrainer(Trainer):
         with self.cond:
             while True:
                 self._raise_if_failed()
+                if self.dispatcher is not None and not self.dispatcher.is_alive():
+                    raise RuntimeError("the dispatcher thread stopped; see the traceback above")
                 tasks = self.manager.ready_batch()
                 if tasks is not None:
                     self.manager.consume(tasks)
@@ -337,24 +395,20 @@ class AsyncTrainer(Trainer):
     def _update(self, batch, advantages) -> dict[str, float]:
         if self.n_train == 1:
             return self.actor.update(batch, advantages)
-        # Contiguous shards of whole prompt groups, one per rank.
-        groups = batch.group_ids.tolist()
-        bounds = [0]
-        per_rank = -(-len(set(groups)) // self.n_train)
-        seen = 0
-        for i in range(1, len(groups) + 1):
-            if i == len(groups) or groups[i] != groups[i - 1]:
-                seen += 1
-                if seen % per_rank == 0 and i < len(groups):
-                    bounds.append(i)
-        while len(bounds) < self.n_train:
-            bounds.append(len(groups))
-        bounds.append(len(groups))
-        shards = [list(range(bounds[r], bounds[r + 1])) for r in range(self.n_train)]
+        # Cut the batch into the global mini-batches first, then give every rank an even share of each, so the
+        # optimizer steps are the same whatever the number of ranks.
+        rank_rows: list[list[int]] = [[] for _ in range(self.n_train)]
+        rank_sizes: list[list[int]] = [[] for _ in range(self.n_train)]
+        for mini in torch.tensor_split(torch.arange(batch.num_rows), self.cfg.actor.ppo_n_minibatches):
+            for rank, share in enumerate(torch.tensor_split(mini, self.n_train)):
+                rank_rows[rank] += share.tolist()
+                rank_sizes[rank].append(int(share.numel()))
         for rank, w in enumerate(self.train_workers, start=1):
-            sub = batch.select(shards[rank])
-            w.call("update", to_wire(sub.state()), advantages[shards[rank], :sub.response_ids.shape[1]].numpy())
-        own = batch.select(shards[0])
-        metrics = self.actor.update(own, advantages[shards[0], :own.response_ids.shape[1]])
+            sub = batch.select(rank_rows[rank])
+            w.call("update", to_wire(sub.state()), advantages[rank_rows[rank], :sub.response_ids.shape[1]].numpy(),
+                   rank_sizes[rank])
+        own = batch.select(rank_rows[0])
+        metrics = self.actor.update(own, advantages[rank_rows[0], :own.response_ids.shape[1]],
+                                    minibatch_sizes=rank_sizes[0])
         self._collect_train_replies("update")
         return metrics

@@ -338,7 +338,9 @@ class RolloutConfig(_Section):
     fixed_staleness: int = _f(0, ge=0, help="Controlled-experiment mode: the batch trained at step t is generated "
                                             "by the policy of step t-s (a FIFO, as in the paper's Stale-k runs); "
                                             "0 = off. Do not combine with max_head_offpolicyness > 0.")
-    queue_size: Optional[int] = _f(None, ge=1, help="Capacity of the queue of finished rollouts; null = automatic.")
+    queue_size: Optional[int] = _f(None, ge=1, help="Asynchronous mode: at most this many prompt groups running or "
+                                                    "finished-but-unconsumed at once (bounds memory); null = no "
+                                                    "cap beyond the staleness and concurrency rules.")
     mode: str = _f("auto", choices=("auto", "sync", "async"),
                    help="sync: rollout and training alternate in one process (with fixed_staleness for controlled "
                         "experiments); async: rollout workers and train workers run concurrently under "
@@ -458,9 +460,10 @@ class ActorConfig(_Section):
     m2_threshold: float = _f(0.04, ge=0.0, help="M2PO: the largest squared log-ratio tokens are masked until the "
                                                 "mean M2 of the rest is below this (>= 0; 0 masks every token with "
                                                 "a nonzero log-ratio).")
-    m2_scope: str = _f("local", choices=("local", "dp_group"), help="M2PO selection scope: local = this process's "
-                                                                    "mini-batch; dp_group = across data-parallel "
-                                                                    "ranks.")
+    m2_scope: str = _f("dp_group", choices=("local", "dp_group"),
+                       help="M2PO selection scope over each optimizer mini-batch (always all of its micro-batches): "
+                            "dp_group = across all data-parallel ranks, exactly Algorithm 1 on the whole "
+                            "mini-batch; local = each rank's share separately.")
     eps_clip: float = _f(0.2, ge=0.0, help="PPO clip range (lower side; also the upper side unless "
                                            "eps_clip_higher is set). Used by the vanilla loss.")
     eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
@@ -860,10 +863,6 @@ def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
     if g.greedy:
         out.append("gconfig.greedy=true: every completion of a group is identical, so group-normalised advantages "
                    "are zero. Set gconfig.greedy=false for training (eval_gconfig is separate).")
-    if cfg.actor.loss == "m2po" and cfg.actor.m2_scope == "dp_group":
-        backend = parse_backend(cfg.actor.backend)
-        if backend.dp == 1:
-            out.append("actor.m2_scope=dp_group with one data-parallel rank behaves like local.")
     return out
 
 

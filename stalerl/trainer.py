@@ -85,7 +85,8 @@ class Trainer:
                                      seed=cfg.seed)
         self.total_steps = total_steps(cfg, len(self.train_examples))
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature,
-                           total_updates=self.total_steps * cfg.actor.ppo_n_minibatches)
+                           total_updates=self.total_steps * cfg.actor.ppo_n_minibatches,
+                           loss_scale_factor=cfg.gconfig.max_new_tokens)
         self.engine = HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
                                       device=self.device)
         self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)

@@ -1,7 +1,8 @@
 """Baseline policy losses for stale-rollout comparisons. Pure torch.
 
 - ``vanilla``: PPO's clipped surrogate, max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), with optional dual clip
-  (for A < 0 the loss is capped at -A c), exactly as verl's ``vanilla`` and the paper's GRPO baseline.
+  (for A < 0 the loss is capped at -A c), as verl's ``vanilla`` and the paper's GRPO baseline (one difference: the
+  +-20 clamp of the log-ratio passes the gradient straight through, where verl's zeroes it beyond the bound).
 - ``no_trust_region``: the same unclipped importance-weighted objective as M2PO, -A r averaged over all valid tokens,
   with nothing masked (the paper's "GRPO no TR").
 

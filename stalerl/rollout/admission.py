@@ -41,6 +41,7 @@ class StalenessManager:
     batch_size: int
     max_head_offpolicyness: int
     max_concurrent: Optional[int] = None
+    queue_size: Optional[int] = None  # cap on running + finished-but-unconsumed tasks (memory); None = no cap
     version: int = 0
     admitted_total: int = 0
     consumed_total: int = 0
@@ -56,13 +57,19 @@ class StalenessManager:
             self.max_concurrent = self.batch_size * (self.max_head_offpolicyness + 1)
         if self.max_concurrent < 1:
             raise ValueError(f"rollout.max_concurrent_rollouts must be >= 1, got {self.max_concurrent}")
+        if self.queue_size is not None and self.queue_size < self.batch_size:
+            raise ValueError(f"rollout.queue_size={self.queue_size} is smaller than the consumer batch size "
+                             f"{self.batch_size}: a batch could never be formed; raise it or set it to null")
 
     # ---------------------------------------------------------------- admission
     def capacity(self) -> int:
         """How many new tasks may start now."""
         by_concurrency = self.max_concurrent - len(self.running)
         by_staleness = (self.max_head_offpolicyness + self.version + 1) * self.batch_size - self.admitted_total
-        return max(0, min(by_concurrency, by_staleness))
+        cap = min(by_concurrency, by_staleness)
+        if self.queue_size is not None:
+            cap = min(cap, self.queue_size - len(self.running) - len(self.finished))
+        return max(0, cap)
 
     def admit(self, payload: Any = None) -> Task:
         if self.capacity() <= 0:

@@ -10,6 +10,7 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from stalerl.rollout.batch import RolloutBatch
 
@@ -78,15 +79,19 @@ class HFRolloutEngine:
         group_ids = torch.arange(len(questions)).repeat_interleave(n_samples)
         was_training = self.model.training
         self.model.eval()
-        kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-                      return_dict_in_generate=True)
+        # An explicit GenerationConfig: the checkpoint's own generation_config.json (repetition_penalty, top_k=50
+        # defaults, ...) would otherwise reshape the sampling distribution, and the behaviour log-probs would no
+        # longer be the policy's softmax at the sampling temperature.
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                               bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
+                               return_dict_in_generate=True, repetition_penalty=1.0, num_beams=1)
         if greedy:
-            kwargs.update(do_sample=False)
+            gen.do_sample = False
         else:
-            # top_k=0 explicitly: transformers otherwise applies top_k=50 silently, and the behaviour log-probs
-            # would no longer be the policy's softmax.
-            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, output_scores=True)
-        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), **kwargs)
+            gen.do_sample = True
+            gen.temperature, gen.top_p, gen.top_k = temperature, top_p, top_k
+            gen.output_scores = True
+        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen)
         if was_training:
             self.model.train()
         response_ids = out.sequences[:, prompt_ids.shape[1]:]

@@ -37,8 +37,11 @@ class LocalHosting:
     def reserve(self, role: str, count: int, resources: Resources) -> None:
         """Nothing to reserve on one machine (the OS schedules the processes)."""
 
-    def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources) -> WorkerProcess:
-        return WorkerProcess(role, module, cls_name, kwargs, self.results, self.log_dir)
+    def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources,
+              gpu: Optional[int] = None) -> WorkerProcess:
+        """``gpu``: the device index this worker owns (CUDA_VISIBLE_DEVICES), so ranks never share a GPU."""
+        env = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else None
+        return WorkerProcess(role, module, cls_name, kwargs, self.results, self.log_dir, env=env)
 
     def share(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fresh shared-memory copies per version: a worker never reads a buffer that is being overwritten."""
@@ -169,7 +172,9 @@ class RayHosting:
                                f"cluster: {total}")
         self.groups[role] = pg
 
-    def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources) -> RayWorker:
+    def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources,
+              gpu: Optional[int] = None) -> RayWorker:
+        """``gpu`` is ignored: Ray assigns each actor its GPUs (and sets CUDA_VISIBLE_DEVICES)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         family, _, index = role.partition("/")

@@ -61,7 +61,8 @@ def _die_with_parent() -> None:
 
 
 def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, results, log_path: str,
-                parent_pid: int) -> None:
+                parent_pid: int, env: dict[str, str]) -> None:
+    os.environ.update(env)  # e.g. CUDA_VISIBLE_DEVICES: before the worker initialises CUDA
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
@@ -84,6 +85,9 @@ def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, r
         print(tb, flush=True)
         try:
             results.put((role, "error", None, f"{type(exc).__name__}: {exc}\n{tb}"))
+            # os._exit skips the queue's feeder thread: flush the message through the pipe first.
+            results.close()
+            results.join_thread()
         finally:
             log.flush()
             os._exit(1)
@@ -110,7 +114,8 @@ class WorkerProcess:
     """One worker object in its own process. Calls are asynchronous: ``call`` returns a call id and the answer
     arrives on the shared results queue as ``(role, "ok", call_id, result)``."""
 
-    def __init__(self, role: str, module: str, cls_name: str, kwargs: dict, results, log_dir: Path):
+    def __init__(self, role: str, module: str, cls_name: str, kwargs: dict, results, log_dir: Path,
+                 env: Optional[dict[str, str]] = None):
         self.role = role
         self.log_path = Path(log_dir) / f"{role.replace('/', '-')}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +123,7 @@ class WorkerProcess:
         self._next_call = 0
         self.process = CTX.Process(target=_child_main, name=role, daemon=True,
                                    args=(role, module, cls_name, kwargs, self.commands, results, str(self.log_path),
-                                         os.getpid()))
+                                         os.getpid(), dict(env or {})))
         self.process.start()
 
     def call(self, method: str, *args: Any) -> int:
@@ -137,6 +142,10 @@ class WorkerProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        if not self.process.is_alive():
+            # Nobody will read what is still queued for a dead worker: without this the queue's feeder thread
+            # blocks on the full pipe and the interpreter hangs at exit joining it.
+            self.commands.cancel_join_thread()
         if self.process.is_alive():
             try:
                 self.commands.put((0, "__stop__", ()))
@@ -149,3 +158,5 @@ class WorkerProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        self.commands.cancel_join_thread()
+        self.commands.close()

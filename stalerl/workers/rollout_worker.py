@@ -43,17 +43,24 @@ class RolloutWorker:
                                        seed=cfg.seed)
         self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
                                       device=device, version=-1)
+        # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
+        # weights live (the trainer has moved on by the time it consumes the batch).
+        self.recompute = None
+        if cfg.actor.behavior_logp == "recompute":
+            from stalerl.actor import Actor
+
+            self.recompute = Actor(model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=1)
         print(f"rollout worker {index} ready (pid {os.getpid()})", flush=True)
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
         start = time.perf_counter()
         self.engine.load_weights(state_dict, version)
-        return time.perf_counter() - start
+        return {"version": version, "seconds": time.perf_counter() - start}
 
-    def load_weights_from_file(self, version: int, path: str) -> float:
+    def load_weights_from_file(self, version: int, path: str) -> dict[str, float]:
         start = time.perf_counter()
         self.engine.load_weights(torch.load(path, map_location="cpu", weights_only=True), version)
-        return time.perf_counter() - start
+        return {"version": version, "seconds": time.perf_counter() - start}
 
     def generate(self, tasks: list[tuple[int, str, str]]) -> dict[str, Any]:
         """One batched generate call over ``tasks`` = [(task_id, question, answer)]; returns each task's batch."""
@@ -64,6 +71,8 @@ class RolloutWorker:
         batch = self.engine.generate([q for _, q, _ in tasks], [a for _, _, a in tasks], n_samples=g.n_samples,
                                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                      top_k=g.top_k)
+        if self.recompute is not None:
+            batch.behavior_logp = self.recompute.compute_logp(batch)
         out = []
         for i, (task_id, _, _) in enumerate(tasks):
             rows = (batch.group_ids == i).nonzero().squeeze(1).tolist()

@@ -20,7 +20,8 @@ from stalerl.workers.rollout_worker import from_wire
 
 
 def init_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> Any:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # gloo for the CPU tensors (token counts, the M2PO selection's scalars), nccl for CUDA gradients.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return dist.group.WORLD
@@ -47,7 +48,8 @@ class TrainWorker:
             self.model.gradient_checkpointing_enable()
         group = init_group(rank, world_size, init_method, timeout_s)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
-                           dp=DataParallel(rank=rank, size=world_size, group=group))
+                           dp=DataParallel(rank=rank, size=world_size, group=group),
+                           loss_scale_factor=cfg.gconfig.max_new_tokens)
         print(f"train rank {rank}/{world_size} ready (pid {os.getpid()})", flush=True)
 
     def sync_parameters(self) -> None:
@@ -56,5 +58,5 @@ class TrainWorker:
     def load_actor_state(self, state: dict[str, Any]) -> None:
         self.actor.load_state_dict(state)
 
-    def update(self, shard: dict[str, Any], advantages) -> dict[str, float]:
-        return self.actor.update(from_wire(shard), torch.as_tensor(advantages))
+    def update(self, shard: dict[str, Any], advantages, minibatch_sizes: list[int]) -> dict[str, float]:
+        return self.actor.update(from_wire(shard), torch.as_tensor(advantages), minibatch_sizes=minibatch_sizes)

@@ -48,9 +48,11 @@ def test_bound_holds_and_is_used(tmp_path):
         assert sum(r["staleness/hist"]) == 8 * 4  # every consumed sample counted once
 
 
-def test_eta_zero_equals_the_synchronous_loop(tmp_path):
-    sync = _run(_cmd(tmp_path, "sync", **{"rollout.mode": "sync"}))
-    asyn = _run(_cmd(tmp_path, "async", **{"rollout.mode": "async", "rollout.max_head_offpolicyness": 0}))
+@pytest.mark.parametrize("behavior_logp", ["rollout", "recompute"])
+def test_eta_zero_equals_the_synchronous_loop(tmp_path, behavior_logp):
+    common = {"actor.behavior_logp": behavior_logp}
+    sync = _run(_cmd(tmp_path, "sync", **{"rollout.mode": "sync", **common}))
+    asyn = _run(_cmd(tmp_path, "async", **{"rollout.mode": "async", "rollout.max_head_offpolicyness": 0, **common}))
     assert sync.returncode == 0, sync.stderr[-3000:]
     assert asyn.returncode == 0, asyn.stderr[-3000:]
     a, b = _rows(tmp_path, "sync"), _rows(tmp_path, "async")
@@ -62,8 +64,10 @@ def test_eta_zero_equals_the_synchronous_loop(tmp_path):
     assert [r.get("eval/accuracy") for r in a] == [r.get("eval/accuracy") for r in b]
 
 
-def test_two_train_ranks_match_one(tmp_path):
-    extra = {"rollout.mode": "async", "rollout.max_head_offpolicyness": 0, "total_train_steps": 3}
+@pytest.mark.parametrize("n_mini", [1, 2])
+def test_two_train_ranks_match_one(tmp_path, n_mini):
+    extra = {"rollout.mode": "async", "rollout.max_head_offpolicyness": 0, "total_train_steps": 3,
+             "actor.ppo_n_minibatches": n_mini}
     one = _run(_cmd(tmp_path, "d1", **extra))
     two = _run(_cmd(tmp_path, "d2", **{**extra, "actor.backend": "torch:d2"}))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -129,3 +133,41 @@ def test_resume_after_sigkill_keeps_the_bound(tmp_path):
     assert [r["step"] for r in rows] == list(range(0, 11))
     assert all(r["staleness/max"] <= 2 for r in rows[1:])
     assert "resumed from checkpoint at step" in res.stdout + res.stderr
+
+
+def test_train_rank_exception_is_reported_as_the_workers_failure(tmp_path):
+    res = _run(_cmd(tmp_path, "trainfault", **{"rollout.max_head_offpolicyness": 1, "actor.backend": "torch:d2",
+                                               "total_train_steps": 20}),
+               env_extra={"STALERL_INJECT_FAULT": "train/1:update:2"}, timeout=180)
+    assert res.returncode == 1
+    assert "stalerl: worker train/1 failed" in res.stderr
+    assert "injected fault in train/1.update call 2" in res.stderr
+
+
+def test_disk_weight_sync_with_two_rollout_workers(tmp_path):
+    res = _run(_cmd(tmp_path, "disk", **{"rollout.max_head_offpolicyness": 2, "rollout.weight_sync": "disk",
+                                         "rollout.backend": "hf:d2", "total_train_steps": 6}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(tmp_path, "disk")
+    assert [r["step"] for r in rows] == list(range(0, 7))
+    assert all(r["staleness/max"] <= 2 for r in rows[1:])
+    left = sorted((tmp_path / "runs" / "gsm8k-m2po-cpu" / "disk" / "weights").glob("v*.pt"))
+    assert left == []  # transient: deleted once loaded or superseded, the rest at shutdown
+
+
+def test_a_dying_dispatcher_fails_the_run_instead_of_hanging():
+    from stalerl.async_trainer import AsyncTrainer
+
+    t = AsyncTrainer.__new__(AsyncTrainer)  # only the failure plumbing, no workers
+    import threading
+
+    t.cond, t.failure, t.stop_event = threading.Condition(), None, threading.Event()
+    t.stop_event.set()  # keep the watchdog from exiting the test process
+
+    def boom():
+        raise KeyError("task 17 finished twice")
+
+    t._dispatch = boom
+    t._dispatch_loop()
+    assert t.failure is not None and t.failure.role == "dispatcher"
+    assert "task 17 finished twice" in t.failure.message

@@ -75,3 +75,23 @@ def test_select_and_concat_roundtrip(tiny_policy):
     # the same tokens and log-probs as b2, after trimming the extra padding
     assert torch.equal(again.response_ids[again.response_mask], b2.response_ids[b2.response_mask])
     assert torch.equal(again.behavior_logp[again.response_mask], b2.behavior_logp[b2.response_mask])
+
+
+def test_checkpoint_generation_config_does_not_distort_behaviour_logp(tiny_policy, tmp_path):
+    """A real checkpoint's generation_config.json (repetition_penalty, top_k, ...) must not reach the sampler."""
+    from stalerl.model import load_policy
+
+    model, tok = tiny_policy
+    model.generation_config.repetition_penalty = 1.5
+    model.generation_config.top_k = 3
+    model.generation_config.do_sample = True
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    loaded, tok2 = load_policy(str(tmp_path / "ckpt"), device="cpu")
+    assert loaded.generation_config.repetition_penalty == 1.5
+    torch.manual_seed(4)
+    batch = _engine(loaded, tok2).generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8)
+    cfg = load_config([])
+    recomputed = Actor(loaded, cfg.actor, temperature=1.0, total_updates=1).compute_logp(batch)
+    m = batch.response_mask
+    assert (recomputed - batch.behavior_logp)[m].abs().max().item() < 1e-4
