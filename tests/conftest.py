@@ -39,6 +39,23 @@ def small_overrides(tmp_path: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def sigkill_after_checkpoint(cmd: list[str], run_dir: Path, step: int, timeout: float = 300.0) -> int:
+    """Start ``cmd``, SIGKILL it as soon as the checkpoint of ``step`` exists under ``run_dir``; returns its code."""
+    import signal
+    import subprocess
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + timeout
+    while not (run_dir / "checkpoints" / f"step_{step}").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, f"no checkpoint of step {step} after {timeout:.0f}s"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
 @pytest.fixture
 def tiny_policy():
     from stalerl.model import load_policy

@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CPU_CONFIG, REPO, small_overrides
+from conftest import CPU_CONFIG, REPO, sigkill_after_checkpoint, small_overrides
 from stalerl.config import load_config
 from stalerl.metrics_log import read_metrics
 
@@ -71,18 +70,9 @@ def test_sigkill_and_resume_logs_the_same_metrics(tmp_path):
     reference = _run_script([*common, "trial_name=uninterrupted"])
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     args = [sys.executable, str(SCRIPT), "--config", str(CPU_CONFIG), *common, "trial_name=killed"]
     run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "killed"
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_4").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    assert sigkill_after_checkpoint(args, run, 4) == -signal.SIGKILL
     resumed = _run_script([*common, "trial_name=killed"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint at step" in resumed.stdout + resumed.stderr

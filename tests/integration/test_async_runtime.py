@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_CONFIG, REPO, small_overrides
+from conftest import CPU_CONFIG, REPO, sigkill_after_checkpoint, small_overrides
 from stalerl.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
@@ -117,16 +117,8 @@ def test_resume_after_sigkill_keeps_the_bound(tmp_path):
     extra = {"rollout.max_head_offpolicyness": 2, "total_train_steps": 10, "recover.mode": "auto",
              "recover.freq_steps": 2}
     cmd = _cmd(tmp_path, "resume", **extra)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "resume"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_4").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert sigkill_after_checkpoint(cmd, run, 4) == -signal.SIGKILL
     res = _run(cmd)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(run)
