@@ -29,7 +29,6 @@ from typing import Any, Optional
 import torch
 
 from stalerl.actor import DataParallel
-from stalerl.advantage import grpo_advantages, shaped_rewards
 from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, parse_backend
 from stalerl.io import atomic_torch_save
 from stalerl.rollout.admission import StalenessManager
@@ -366,10 +365,7 @@ class AsyncTrainer(Trainer):
         batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
         stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
         assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
-        a = self.cfg.actor
-        rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
-                                 norm=a.reward_norm)
-        advantages = grpo_advantages(rewards, batch.group_ids, batch.response_mask, adv_norm=a.adv_norm)
+        advantages = self.advantages(batch)
         t1 = time.perf_counter()
         metrics = self._update(batch, advantages)
         t_train = time.perf_counter() - t1

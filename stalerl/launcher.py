@@ -39,13 +39,10 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
 
 def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
     """The single-process loop (fixed staleness) as one Ray task, with the resources of one worker."""
-    from stalerl.workers.hosting import import_ray, worker_resources
+    from stalerl.workers.hosting import import_ray, init_ray, worker_resources
 
     ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        address = cfg.scheduler.ray_address
-        ray.init(address=address, include_dashboard=False) if address else ray.init(include_dashboard=False)
+    started = init_ray(cfg.scheduler.ray_address)
     try:
         res = worker_resources(cfg)
         task = ray.remote(_train_in_task).options(num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0)
@@ -84,13 +81,10 @@ def run_cpus(cfg: ExperimentConfig) -> float:
 def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
     """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
     its task a run uses the local scheduler for its own worker processes."""
-    from stalerl.workers.hosting import import_ray, worker_resources
+    from stalerl.workers.hosting import import_ray, init_ray, worker_resources
 
     ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        address = configs[0].scheduler.ray_address
-        ray.init(address=address, include_dashboard=False) if address else ray.init(include_dashboard=False)
+    started = init_ray(configs[0].scheduler.ray_address)
     try:
         total = ray.cluster_resources().get("CPU", 0.0)
         refs = []

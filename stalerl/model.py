@@ -33,6 +33,7 @@ __all__ = [
     "build_tiny_model",
     "is_char_tokenizer",
     "load_policy",
+    "load_policy_from_config",
     "load_tokenizer",
     "parse_dtype",
     "resolve_device",
@@ -359,3 +360,15 @@ class PromptFormatter:
         body = re.sub(r"<<[^<>]*>>", "", body).strip()
         final = example.final
         return (body + "\n" if body else "") + f"The final answer is \\boxed{{{final}}}."
+
+
+def load_policy_from_config(cfg: Any):
+    """``load_policy`` with the run config's actor section (the controller, train ranks and rollout workers all
+    build the same policy this way, so their initial weights are identical)."""
+    actor = cfg.actor
+    tiny = {k: getattr(actor.tiny, k) for k in actor.tiny.__dataclass_fields__}
+    model, tokenizer = load_policy(actor.path, tiny_kwargs=tiny, dtype=actor.dtype,
+                                   device=str(resolve_device(actor.device)), seed=cfg.seed)
+    if actor.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, tokenizer

@@ -21,7 +21,7 @@ from stalerl.checkpoint import capture_rng_state, load_latest_checkpoint, restor
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
 from stalerl.data import PromptDataset, load_examples
 from stalerl.metrics_log import MetricsLogger, Progress, format_summary
-from stalerl.model import PromptFormatter, load_policy, resolve_device
+from stalerl.model import PromptFormatter, load_policy_from_config, resolve_device
 from stalerl.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import HFRolloutEngine, generation_seed
@@ -71,11 +71,7 @@ class Trainer:
         self.valid_examples = self._load_split(cfg.valid_dataset)
 
         self.device = resolve_device(cfg.actor.device)
-        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
-        self.model, self.tokenizer = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype,
-                                                 device=str(self.device), seed=cfg.seed)
-        if cfg.actor.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.model, self.tokenizer = load_policy_from_config(cfg)
         self.formatter = PromptFormatter(self.tokenizer)
         self.train_examples = self._filter_by_prompt_tokens(self.train_examples, cfg.train_dataset, "train_dataset")
         self.valid_examples = self._filter_by_prompt_tokens(self.valid_examples, cfg.valid_dataset,
@@ -233,10 +229,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.fifo.next_batch(self.generate_batch)
         t_gen = time.perf_counter() - t0
-        a = self.cfg.actor
-        rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
-                                 norm=a.reward_norm)
-        advantages = grpo_advantages(rewards, batch.group_ids, batch.response_mask, adv_norm=a.adv_norm)
+        advantages = self.advantages(batch)
         stale = staleness_stats(batch, self.step)
         t1 = time.perf_counter()
         metrics = self.actor.update(batch, advantages)
@@ -252,6 +245,13 @@ class Trainer:
             "version": float(self.step),
         })
         return metrics
+
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """Shaped rewards, then GRPO advantages broadcast over each response's tokens."""
+        a = self.cfg.actor
+        rewards = shaped_rewards(batch.rewards, batch.group_ids, scaling=a.reward_scaling, bias=a.reward_bias,
+                                 norm=a.reward_norm)
+        return grpo_advantages(rewards, batch.group_ids, batch.response_mask, adv_norm=a.adv_norm)
 
     @staticmethod
     def batch_metrics(batch: RolloutBatch) -> dict[str, float]:

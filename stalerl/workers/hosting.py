@@ -63,6 +63,20 @@ def import_ray():
     return ray
 
 
+def init_ray(address: Optional[str] = None, *, log_to_driver: bool = True) -> bool:
+    """Connect to ``address``, else ``RAY_ADDRESS``, else start a local cluster. Returns True when this call did it
+    (the caller then owns ``ray.shutdown()``), False when Ray was already initialised in this process."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
+    return True
+
+
 class _RayWorkerHost:
     """The body of the Ray actor: builds the worker object, serves calls in submission order."""
 
@@ -128,14 +142,8 @@ class RayHosting:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.results: queue.Queue = queue.Queue()
         self.placement_timeout_s = placement_timeout_s
-        self.started_cluster = False
-        if not ray.is_initialized():
-            address = address or os.environ.get("RAY_ADDRESS")
-            if address:
-                ray.init(address=address, log_to_driver=False)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-                self.started_cluster = True
+        # Worker output goes to per-role log files, not to the driver's terminal.
+        self.started_cluster = init_ray(address, log_to_driver=False)
         self.groups: dict[str, Any] = {}
         self._pending: dict[Any, tuple[RayWorker, int, str]] = {}
         self._lock = threading.Lock()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalerl.model import PromptFormatter, load_policy, resolve_device
+from stalerl.model import PromptFormatter, load_policy_from_config
 from stalerl.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import HFRolloutEngine, generation_seed
@@ -37,12 +37,9 @@ class RolloutWorker:
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.index = index
-        device = resolve_device(cfg.actor.device)
-        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
-        model, tokenizer = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype, device=str(device),
-                                       seed=cfg.seed)
+        model, tokenizer = load_policy_from_config(cfg)
         self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
-                                      device=device, version=-1)
+                                      version=-1)
         # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
         # weights live (the trainer has moved on by the time it consumes the batch).
         self.recompute = None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from stalerl.actor import Actor, DataParallel
-from stalerl.model import load_policy, resolve_device
+from stalerl.model import load_policy_from_config
 from stalerl.workers.rollout_worker import from_wire
 
 
@@ -40,12 +40,7 @@ class TrainWorker:
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.rank = rank
-        device = resolve_device(cfg.actor.device)
-        tiny = {k: getattr(cfg.actor.tiny, k) for k in cfg.actor.tiny.__dataclass_fields__}
-        self.model, _ = load_policy(cfg.actor.path, tiny_kwargs=tiny, dtype=cfg.actor.dtype, device=str(device),
-                                    seed=cfg.seed)
-        if cfg.actor.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.model, _ = load_policy_from_config(cfg)
         group = init_group(rank, world_size, init_method, timeout_s)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
                            dp=DataParallel(rank=rank, size=world_size, group=group),
