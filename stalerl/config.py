@@ -453,7 +453,7 @@ class ActorConfig(_Section):
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
     optimizer: OptimizerConfig = _f(factory=OptimizerConfig, help="Optimizer.")
     loss: str = _f("m2po", help="Policy loss, a name registered in recipe.registry (built in: m2po, vanilla, "
-                                "no_trust_region).")
+                                "no_trust_region, fipo).")
     loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
                                                "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
                                                "seq-mean-token-mean.")
@@ -468,6 +468,17 @@ class ActorConfig(_Section):
                                            "eps_clip_higher is set). Used by the vanilla loss.")
     eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
     c_clip: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant (> 1) for negative advantages; null = off.")
+    fipo_decay_rate: float = _f(32.0, gt=0.0, help="FIPO: half-life in tokens of the Future-KL discount, "
+                                                   "gamma = 2^(-1/decay_rate).")
+    fipo_clip_ratio_c: float = _f(10.0, gt=1.0, help="FIPO: dual-clip constant c; tokens with ratio > c leave the "
+                                                     "Future-KL sums, and an A < 0 row with more than one of them is "
+                                                     "dropped. Must exceed 1 + the upper PPO clip range.")
+    fipo_influence_clip_ratio: float = _f(0.2, ge=0.0, help="FIPO: eps_f, the influence-weight clip; 0 = weights "
+                                                            "capped at 10 only.")
+    fipo_influence_clip_high_only: bool = _f(True, help="FIPO: clip weights to [1, 1+eps_f] (true) or "
+                                                        "[1-eps_f, 1+eps_f] (false).")
+    fipo_safety_threshold: float = _f(10.0, gt=0.0, help="FIPO: for A < 0 tokens with ratio above this, the weight "
+                                                         "is clamped into [0.8, 1]; >= 5e8 never fires.")
     ppo_n_minibatches: int = _f(1, ge=1, help="Optimizer steps per train step; must divide "
                                               "train_dataset.batch_size.")
     reward_scaling: float = _f(1.0, help="Rewards become (reward + reward_bias) * reward_scaling.")
@@ -509,6 +520,16 @@ class ActorConfig(_Section):
             out.append(("loss_agg_mode", f"got {self.loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}"
                                          f"{_did_you_mean(self.loss_agg_mode, LOSS_AGG_MODES)}. "
                                          "Fix: set actor.loss_agg_mode=token-mean."))
+        if self.loss == "fipo":
+            eps_high = self.eps_clip_higher if self.eps_clip_higher is not None else self.eps_clip
+            if self.fipo_clip_ratio_c <= 1.0 + eps_high:
+                out.append(("fipo_clip_ratio_c", f"got {self.fipo_clip_ratio_c}; FIPO needs c > 1 + the upper PPO "
+                                                 f"clip range (1 + {eps_high}). Fix: set actor.fipo_clip_ratio_c=10."))
+            if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
+                out.append(("fipo_influence_clip_ratio", f"got {self.fipo_influence_clip_ratio} with "
+                                                         "fipo_influence_clip_high_only=false; the lower bound "
+                                                         "1 - eps_f must stay positive. Fix: set "
+                                                         "actor.fipo_influence_clip_ratio=0.2."))
         if self.kl_coef != 0.0:
             out.append(("kl_coef", f"got {self.kl_coef!r}; a KL penalty is not supported yet. Fix: set "
                                    "actor.kl_coef=0."))
@@ -792,6 +813,14 @@ def is_async(cfg: "ExperimentConfig") -> bool:
     return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
 
 
+def fipo_has_drift(cfg: "ExperimentConfig") -> bool:
+    """Whether a run trains on tokens from an older policy than the one being updated (FIPO needs that): a fixed
+    staleness, asynchronous admission of stale samples, or several optimizer steps per batch (every mini-batch after
+    the first sees a moved policy)."""
+    ro = cfg.rollout
+    return ro.fixed_staleness > 0 or ro.max_head_offpolicyness > 0 or cfg.actor.ppo_n_minibatches > 1
+
+
 def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = []
     ro, actor = cfg.rollout, cfg.actor
@@ -860,6 +889,12 @@ def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
     if g.top_k != 0:
         out.append(f"gconfig.top_k={g.top_k}: top-k sampling makes the behaviour log-probs differ from the policy's "
                    "softmax, so importance ratios and M2 are biased. Set gconfig.top_k=0 unless intended.")
+    if cfg.actor.loss == "fipo" and not fipo_has_drift(cfg):
+        out.append("actor.loss=fipo acts only through the drift between the behaviour and the current policy, and "
+                   "this run has none: rollout.fixed_staleness=0, rollout.max_head_offpolicyness=0 and "
+                   "actor.ppo_n_minibatches=1, so every ratio is 1 (up to engine noise), every influence weight is 1 "
+                   "and FIPO is the plain clipped PG loss. Set rollout.fixed_staleness>0, "
+                   "rollout.max_head_offpolicyness>0 or actor.ppo_n_minibatches>1 for FIPO to act.")
     if g.greedy:
         out.append("gconfig.greedy=true: every completion of a group is identical, so group-normalised advantages "
                    "are zero. Set gconfig.greedy=false for training (eval_gconfig is separate).")
