@@ -447,7 +447,10 @@ class ActorConfig(_Section):
     tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
     backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
                                        "(plain/DDP) or fsdp.")
-    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), help="Parameter dtype.")
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+                    help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
+                         "trained parameters and the optimizer state are always float32 (master weights); "
+                         "bfloat16 runs the forward under torch.autocast. float16 is refused (no loss scaling).")
     device: str = _f("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available, else cpu.")
     gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
@@ -848,9 +851,10 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
-    if actor.device == "cpu" and actor.dtype == "float16":
-        out.append(("actor.dtype", "got 'float16' with actor.device=cpu; CPU training in float16 is not supported. "
-                                   "Fix: set actor.dtype=float32 (or bfloat16)."))
+    if actor.dtype == "float16":
+        # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
+        out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
+                                   "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
     return out
 
 
