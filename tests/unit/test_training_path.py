@@ -190,3 +190,52 @@ def test_dropout_off_micro_batch_split_does_not_change_the_update(dropout_policy
     assert m["actor/num_micro_batches"] > 3
     for a, b in zip(whole, split):
         assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ O(tokens) log-probs
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 7, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_token_logprobs_equal_the_full_log_softmax(monkeypatch, chunk, temperature):
+    import stalerl.actor as actor_mod
+
+    monkeypatch.setattr(actor_mod, "_LOGP_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 4, 33, generator=g) * 3).requires_grad_()
+    ids = torch.randint(0, 33, (5, 4), generator=g)
+    fast = actor_mod.token_logprobs(logits, ids, temperature)
+    slow = torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(fast.double(), slow, rtol=0, atol=1e-5)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    (g_fast,) = torch.autograd.grad((fast.double() * w).sum(), logits)
+    (g_slow,) = torch.autograd.grad((slow * w).sum(), logits)
+    torch.testing.assert_close(g_fast.double(), g_slow.double(), rtol=1e-4, atol=1e-6)
+    bf = actor_mod.token_logprobs(logits.detach().bfloat16(), ids, temperature)
+    assert bf.dtype == torch.float32
+
+
+def test_recorder_gathers_each_sampled_token_under_the_processed_distribution():
+    """Step t's scores are held until the token sampled from them shows up (next call's last column, or finish)."""
+    from stalerl.rollout.engine import SampledLogProbRecorder
+
+    g = torch.Generator().manual_seed(0)
+    rec = SampledLogProbRecorder(temperature=0.9, top_k=4)
+    ids = torch.tensor([[5, 6], [7, 8]])
+    s1, s2 = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g)
+    p1 = rec(ids, s1.clone())
+    p2 = rec(torch.cat([ids, p1.argmax(-1, keepdim=True)], 1), s2.clone())
+    seqs = torch.cat([ids, p1.argmax(-1, keepdim=True), p2.argmax(-1, keepdim=True)], 1)
+    out = rec.finish(seqs, 2)
+
+    def ref(s, tok):
+        top = s / 0.9
+        kth = top.topk(4, dim=-1).values[:, -1:]
+        top = top.masked_fill(top < kth, -float("inf"))
+        return torch.log_softmax(top, -1).gather(-1, tok[:, None]).squeeze(-1)
+
+    expected = torch.stack([ref(s1, seqs[:, 2]), ref(s2, seqs[:, 3])], 1)
+    torch.testing.assert_close(out, expected)
+    assert torch.isinf(p1).sum(-1).tolist() == [6, 6]  # the warpers ran inside the recorder
+    with pytest.raises(RuntimeError, match="out of step"):
+        SampledLogProbRecorder().finish(seqs, 2)
