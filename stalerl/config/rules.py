@@ -118,9 +118,10 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
-    if actor.device == "cpu" and actor.dtype == "float16":
-        out.append(("actor.dtype", "got 'float16' with actor.device=cpu; CPU training in float16 is not supported. "
-                                   "Fix: set actor.dtype=float32 (or bfloat16)."))
+    if actor.dtype == "float16":
+        # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
+        out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
+                                   "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
     return out
 
 

@@ -168,7 +168,10 @@ class ActorConfig(_Section):
     tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
     backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
                                        "(plain/DDP) or fsdp.")
-    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), help="Parameter dtype.")
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+                    help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
+                         "trained parameters and the optimizer state are always float32 (master weights); "
+                         "bfloat16 runs the forward under torch.autocast. float16 is refused (no loss scaling).")
     device: str = _f("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available, else cpu.")
     gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
