@@ -55,7 +55,7 @@ from recipe.common import (
     global_batch_info,
     masked_log_ratio,
     read_float,
-    straight_through_clamp,
+    clamp_log_ratio,
 )
 
 METRIC_KEYS = (
@@ -235,7 +235,7 @@ def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch
 def fipo_per_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                         params: FIPOParams) -> torch.Tensor:
     """The dual-clip PPO surrogate on the reweighted advantage A * w (w detached), per token, with grad."""
-    ratio = torch.exp(straight_through_clamp(log_ratio))
+    ratio = torch.exp(clamp_log_ratio(log_ratio))
     adv_hat = advantages.detach().float() * weights.detach()
     loss_unclipped = -adv_hat * ratio
     loss_clipped = -adv_hat * torch.clamp(ratio, 1.0 - params.eps_low, 1.0 + params.eps_high)
