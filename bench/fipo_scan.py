@@ -65,7 +65,8 @@ def main() -> None:
     args = ap.parse_args()
     gamma = 2.0 ** (-1.0 / args.decay)
     g = torch.Generator().manual_seed(0)
-    print(f"device={args.device} rows={args.rows} chunk={args.chunk} decay={args.decay} threads={torch.get_num_threads()}")
+    print(f"device={args.device} rows={args.rows} chunk={args.chunk} decay={args.decay} "
+          f"threads={torch.get_num_threads()}")
     print(f"{'T':>7} {'scan s':>10} {'chunked s':>10} {'chunked/scan':>13} {'max rel diff':>13}")
     for t in args.lengths:
         x = (torch.randn(args.rows, t, generator=g) * 0.3).to(args.device)

@@ -58,7 +58,8 @@ def fresh_interpreter():
             "loaded = 'recipe.m2po.verl.plugin' in sys.modules\n"
             "import recipe.registry, recipe.fipo.algorithm as a\n"
             "fn = get_policy_loss_fn('fipo')\n"
-            "print(before, loaded, fn is recipe.registry.get_policy_loss_fn('fipo'), fn is a.compute_policy_loss_fipo)\n")
+            "same = fn is recipe.registry.get_policy_loss_fn('fipo')\n"
+            "print(before, loaded, same, fn is a.compute_policy_loss_fipo)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     yield proc
