@@ -201,7 +201,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] = None,
                     command: Optional[str] = None, regenerate: Optional[str] = None, wall_s: Optional[float] = None,
                     machine: Optional[Mapping[str, Any]] = None, figures: Sequence[str] = (),
-                    method_keys: Sequence[str] = ("loss",)) -> str:
+                    method_keys: Sequence[str] = ("loss",), claims: Optional[str] = None) -> str:
     lines = [f"### {title or study}", ""]
     if command:
         lines += [f"Reproduce (runs the grid, collects the summaries, regenerates this block): `{command}`"]
@@ -226,6 +226,10 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
     rows = [[c.setting, c.method, c.value(DETAIL_COLUMNS[0][1]), c.staleness(),
              *(c.value(f) for _, f in DETAIL_COLUMNS[1:])] for c in cells]
     lines += _table(header, rows)
+    if claims:
+        from stalerl.report_claims import render_claims
+
+        lines += ["", *render_claims(cells, claims)]
     for fig in figures:
         lines += ["", f"![{study}: {Path(fig).stem}]({fig})"]
     return "\n".join(lines) + "\n"
@@ -344,7 +348,7 @@ def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: O
     regenerate = meta.get("regenerate")
     block = render_markdown(cells, study=study, title=title or meta.get("title"), command=meta.get("command"),
                             regenerate=regenerate, wall_s=meta.get("wall_s"), machine=meta.get("machine"),
-                            figures=links, method_keys=method_keys)
+                            figures=links, method_keys=method_keys, claims=meta.get("claims"))
     return block, fig_paths
 
 

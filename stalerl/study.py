@@ -12,7 +12,8 @@ run), ``losses`` (``actor.loss`` values: adding a loss to the table is one line)
 name -> overrides, e.g. behaviour log-prob rollout vs recompute), ``settings`` (mapping: setting name -> overrides;
 the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``stale S dX+dY rollout R``, and is
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
-scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``.
+scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
+``figure_metrics``, ``claims`` (``staleness`` or ``async``: check the published claims, see stalerl.report_claims).
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
 process's machine, under ``<fileroot>/warm_start/``, shared by studies) and every RL run of that seed starts from the
@@ -43,7 +44,8 @@ from stalerl.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary,
                                  read_summary, setting_of, write_summary)
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
-             "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics"}
+             "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
+             "claims"}
 
 
 class StudyError(ValueError):
@@ -60,6 +62,8 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     for key in ("name", "config", "losses", "settings", "seeds"):
         if not spec.get(key):
             raise StudyError(f"{p}: '{key}' is required (see stalerl/study.py for the format)")
+    if spec.get("claims") not in (None, "staleness", "async"):
+        raise StudyError(f"{p}: claims={spec['claims']!r}; expected staleness or async (or leave it out)")
     if not isinstance(spec["settings"], dict):
         raise StudyError(f"{p}: 'settings' must map a setting name to its list of overrides")
     spec.setdefault("title", spec["name"])
@@ -247,8 +251,9 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         "wall_s": round(wall, 1), "runs": len(runs), "parallel": spec["parallel"], "scheduler": kind,
         "machine": machine_description(),
     }
-    if spec.get("figure_metrics"):
-        meta["figure_metrics"] = spec["figure_metrics"]
+    for key in ("figure_metrics", "claims"):  # optional: figures to draw, published claims to check
+        if spec.get(key):
+            meta[key] = spec[key]
     atomic_write_text(results / "study.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:

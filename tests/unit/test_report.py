@@ -302,3 +302,50 @@ def test_study_runner_on_a_tiny_grid(tmp_path):
     cached_rows = read_metrics(run_dir(cfg).parent.parent / "study-tiny" / "m2po-fixed_staleness_2-seed1")
     pick = lambda rows: [[r.get(k) for k in keys] for r in rows]  # noqa: E731
     assert pick(read_metrics(run_dir(cfg))) == pick(cached_rows)
+
+
+# ------------------------------------------------------------------------------------------------ claims
+def _fake(loss: str, setting: str, seed: int, final: float, best: float, frac: float = 0.0, gn: float = 1.0) -> dict:
+    key = "m2po/masked_fraction" if loss == "m2po" else "vanilla/clip_fraction"
+    return {"schema": 1, "run": f"{loss}-{setting}-{seed}", "status": "finished", "seed": seed, "loss": loss,
+            "setting": setting, "eval": {"final": final, "best": best}, "fractions": {key: frac},
+            "grad_norm": {"mean": gn}}
+
+
+def test_staleness_claims_verdicts():
+    from stalerl.report_claims import render_claims
+
+    rows = []
+    for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        rows += [_fake("m2po", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("vanilla", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("no_trust_region", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("m2po", "fixed_staleness 16", seed, 0.5 + 2 * eps, 0.52, frac=0.001 + eps / 100),
+                 _fake("vanilla", "fixed_staleness 16", seed, 0.2 + eps, 0.3, frac=0.02 + eps / 100),
+                 _fake("no_trust_region", "fixed_staleness 16", seed, 0.1 + eps, 0.6 + eps)]
+    text = "\n".join(render_claims(group(rows), "staleness"))
+    assert "Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy at every S > 0): **holds**" in text
+    assert "No trust region prospers then collapses (at fixed_staleness 16, best minus final eval above 0): " \
+           "**holds** (drop 0.500 ± 0.000)" in text
+    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **consistent**" in text
+    assert "M2PO masks fewer tokens than clip clips (at every S > 0): **holds**" in text
+    # M2PO far below on-policy -> does not hold; one seed only -> inconclusive.
+    worse = [dict(r, eval={"final": 0.1 + r["seed"] / 100, "best": 0.2}) if (r["loss"], r["setting"]) == (
+        "m2po", "fixed_staleness 16") else r for r in rows]
+    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **does not hold**" in "\n".join(
+        render_claims(group(worse), "staleness"))
+    one = [r for r in rows if r["seed"] == 1]
+    assert "degrades with staleness (final eval below on-policy at every S > 0): **inconclusive**" in "\n".join(
+        render_claims(group(one), "staleness"))
+
+
+def test_async_claims_verdicts():
+    from stalerl.report_claims import render_claims
+
+    rows = []
+    for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        rows += [_fake("vanilla", "stale 4 d1+d1 rollout 32", seed, 0.3 + eps, 0.3, gn=2.0 + eps),
+                 _fake("m2po", "stale 4 d1+d1 rollout 32", seed, 0.3 - eps, 0.3, gn=1.0 + eps)]
+    text = "\n".join(render_claims(group(rows), "async"))
+    assert "GRPO's (vanilla) grad norm is higher than M2PO's (every setting): **holds**" in text
+    assert "M2PO's final eval accuracy is higher than GRPO's (vanilla) (every setting): **inconclusive**" in text
