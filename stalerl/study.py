@@ -14,6 +14,7 @@ the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``s
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
 ``figure_metrics``, ``claims`` (``staleness`` or ``async``: check the published claims, see stalerl.report_claims).
+Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
 process's machine, under ``<fileroot>/warm_start/``, shared by studies) and every RL run of that seed starts from the

@@ -349,3 +349,16 @@ def test_async_claims_verdicts():
     text = "\n".join(render_claims(group(rows), "async"))
     assert "GRPO's (vanilla) grad norm is higher than M2PO's (every setting): **holds**" in text
     assert "M2PO's final eval accuracy is higher than GRPO's (vanilla) (every setting): **inconclusive**" in text
+
+
+@pytest.mark.parametrize("spec_path", sorted((REPO / "examples" / "math" / "study").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_study_spec_validates(spec_path):
+    """Every run of every shipped spec loads (a loss added to `losses` that does not exist fails here)."""
+    from stalerl.study import check_settings, expand, load_spec
+
+    spec = load_spec(spec_path)
+    assert spec["results"] == f"docs/algorithms/results/{spec['name']}"
+    runs = expand(spec)
+    assert len(check_settings(spec, runs)) == len(runs) >= 5
+    assert f"<!-- results:begin {spec['name']} -->" in (REPO / spec["doc"]).read_text()
