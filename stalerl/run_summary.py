@@ -8,7 +8,8 @@ and the error, so a report shows it as failed instead of silently dropping a see
 Fields (``schema`` 1): identity (``run``, ``experiment``, ``seed``, ``loss``, ``behavior_logp``, ``config_digest``,
 ``setting_digest``), staleness settings (``mode``, ``fixed_staleness``, ``max_head_offpolicyness``, ``dX``/``dY``,
 ``rollout_R`` = max_concurrent_rollouts, ``setting`` = the AReaL trial name ``stale S dX+dY rollout R`` for
-asynchronous runs), outcomes (``eval``, ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
+asynchronous runs), outcomes (``eval``: initial = step 0 after the warm start, final, best over every evaluation
+including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
 ``status``/``error``, ``machine`` and ``curves``.
 """
 
