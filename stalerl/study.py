@@ -225,7 +225,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         codes = _pool([(r["trial"], [sys.executable, "-m", "stalerl.cli", "--config", spec["config"],
                                      *r["overrides"]]) for r, _ in todo], spec["parallel"])
     elif todo:
-        from stalerl.launcher import run_sweep_on
+        from stalerl.cli import run_sweep_on
 
         statuses = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
                                 [c for _, c in todo])
