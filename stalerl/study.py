@@ -243,6 +243,12 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
         write_summary(results / f"{r['trial']}.json", summary)
     wall = time.time() - start
+    previous = results / "study.json"
+    if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
+        try:
+            wall += float(json.loads(previous.read_text()).get("wall_s") or 0.0)
+        except (OSError, ValueError):
+            pass
     meta = {
         "name": spec["name"], "title": spec["title"], "method_keys": spec["method_keys"], "seeds": spec["seeds"],
         "settings": list(spec["settings"]),
