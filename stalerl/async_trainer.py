@@ -241,7 +241,7 @@ class AsyncTrainer(Trainer):
                     self.outstanding[role] -= len(out["results"])
                     self.counters["gen_tokens"] += out["tokens"]
                     self.counters["gen_seconds"] += out["seconds"]
-                    for _, state in out["results"]:  # reward/generated: counted when generation ends, not at consumption
+                    for _, state in out["results"]:  # reward/generated: at generation end, not consumption
                         self.counters["gen_reward_sum"] += float(state["rewards"].sum())
                         self.counters["gen_reward_n"] += len(state["rewards"])
                 else:  # a weight load
