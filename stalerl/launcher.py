@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from stalerl.config import ExperimentConfig, config_to_yaml, is_async, run_dir
@@ -28,7 +29,7 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
     if kind == "ray" and not is_async(cfg):
         result = _run_sync_on_ray(cfg)
     else:
-        result = build_trainer(cfg).train()
+        result = train_with_summary(cfg)
     if plot:
         from stalerl.plot import plot_runs
 
@@ -53,4 +54,19 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def _train_in_task(cfg: ExperimentConfig) -> dict[str, Any]:
-    return build_trainer(cfg).train()
+    return train_with_summary(cfg)
+
+
+def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Train, then write ``<run_dir>/summary.json`` (see :mod:`stalerl.run_summary`), also when the run fails."""
+    from stalerl.run_summary import write_run_summary
+
+    start = time.time()
+    try:
+        result = build_trainer(cfg).train()
+    except BaseException as exc:
+        write_run_summary(cfg, status="failed", wall_s=time.time() - start,
+                          error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    write_run_summary(cfg, status="finished", wall_s=time.time() - start)
+    return result

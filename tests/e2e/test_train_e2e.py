@@ -123,6 +123,11 @@ def test_local_sweep_2x2_runs_every_point_and_writes_a_summary(tmp_path):
     assert all(r["steps"] == 2 for r in rows)
     m2po = [r for r in rows if "m2po" in r["trial"]]
     assert all(r["masked_fraction"] is not None and r["clip_fraction"] is None for r in m2po)
+    assert all(r["final_reward_generated"] is not None and r["final_reward_consumed"] is not None for r in rows)
+    for t in trials:  # every run of the sweep (its own process) wrote its summary.json
+        s = json.loads((root / t / "summary.json").read_text())
+        assert (s["status"], s["run"], s["steps_done"]) == ("finished", t, 2)
+        assert s["setting"] == f"fixed_staleness {t[-1]}"
 
 
 def test_sweep_validates_every_point_before_running(tmp_path):
