@@ -10,7 +10,9 @@ Fields (``schema`` 1): identity (``run``, ``experiment``, ``seed``, ``loss``, ``
 ``rollout_R`` = max_concurrent_rollouts, ``setting`` = the AReaL trial name ``stale S dX+dY rollout R`` for
 asynchronous runs), outcomes (``eval``: initial = step 0 after the warm start, final, best over every evaluation
 including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
-``status``/``error``, ``machine`` and ``curves``.
+``status``/``error``, ``machine`` and ``curves``. ``warm_start``: ``steps`` done, ``final_loss`` and, for an adaptive
+warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy at its last check) and
+``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
 """
 
 from __future__ import annotations
@@ -218,7 +220,19 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
         out["warm_start"] = {"steps": float(origin["warm_start"]["steps"])}
         if _num(origin.get("final_loss")) is not None:
             out["warm_start"]["final_loss"] = _round(float(origin["final_loss"]))
+        for k, v in (origin.get("result") or {}).items():  # steps done (<= the cap) and the adaptive check
+            if _num(v) is not None:
+                out["warm_start"][k] = _round(float(v))
+    out["warnings"] = warm_start_warnings(out["warm_start"])
     return out
+
+
+def warm_start_warnings(ws: Mapping[str, Any]) -> list[str]:
+    """A warm start that hit its cap before its accuracy target: RL started from a weaker model than configured."""
+    if ws.get("target_reached") == 0.0:
+        return [f"warm start hit its cap of {ws.get('cap', ws.get('steps')):g} steps before reaching target accuracy "
+                f"{ws.get('target_accuracy'):g} (held-out greedy accuracy {ws.get('accuracy'):g})"]
+    return []
 
 
 def write_summary(path: os.PathLike, summary: Mapping[str, Any]) -> Path:

@@ -27,6 +27,7 @@ the cache and the run directories must be on a shared filesystem (``cluster.file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -126,9 +127,13 @@ def warm_start_dir(cfg) -> Path:
     from stalerl.run_summary import _config_dict
 
     d = _config_dict(cfg)
-    key = digest({"actor": {k: d["actor"][k] for k in ("path", "tiny", "dtype")}, "tokenizer": d.get("tokenizer_path"),
-                  "train_dataset": d["train_dataset"], "warm_start": d["warm_start"], "seed": d["seed"],
-                  "torch_threads": d["torch_threads"]})
+    parts = {"actor": {k: d["actor"][k] for k in ("path", "tiny", "dtype")}, "tokenizer": d.get("tokenizer_path"),
+             "train_dataset": d["train_dataset"], "warm_start": d["warm_start"], "seed": d["seed"],
+             "torch_threads": d["torch_threads"]}
+    if cfg.warm_start.target_accuracy > 0:  # the adaptive check's generation settings decide where it stops
+        parts["check"] = {"max_new_tokens": d["eval_gconfig"]["max_new_tokens"],
+                          "batch_size": d["valid_dataset"]["batch_size"]}
+    key = digest(parts)
     # Under the file root, not the experiment: studies sharing a warm start (same key) share the cache.
     return Path(cfg.cluster.fileroot).expanduser() / "warm_start" / f"seed{cfg.seed}-{key}"
 
@@ -138,21 +143,19 @@ def warm_start_to(cfg, out: Path) -> Path:
     import torch
 
     from stalerl.trainer import Trainer
-    from stalerl.warm_start import warm_start
 
     if (out / WARM_START_MARKER).is_file():
         return out
     trainer = Trainer(cfg)
-    ws = cfg.warm_start
-    info = warm_start(trainer.model, trainer.tokenizer, trainer.formatter.format, trainer.formatter.sft_target,
-                      trainer.train_examples, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
-                      log=print)
+    info = trainer.run_warm_start()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_model(tmp)
     marker = {"base_path": cfg.actor.path, "seed": cfg.seed, "torch": torch.__version__,
-              "warm_start": {"steps": ws.steps, "batch_size": ws.batch_size, "lr": ws.lr},
-              "final_loss": info.get("warm_start/final_loss")}
+              "warm_start": dataclasses.asdict(cfg.warm_start),  # the config, as an in-run warm start has it
+              "final_loss": info.get("warm_start/final_loss"),
+              # what happened: steps done, and for an adaptive warm start its check (see stalerl.warm_start)
+              "result": {k.split("/", 1)[1]: v for k, v in info.items() if k != "warm_start/seconds"}}
     atomic_write_text(tmp / WARM_START_MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -143,6 +143,32 @@ class Trainer:
         n = max(1, len(self.valid_examples) * g.n_samples)
         return {"eval/accuracy": correct / n}
 
+    def run_warm_start(self) -> dict[str, float]:
+        """The supervised warm start; adaptive (warm_start.target_accuracy > 0) on a held-out training slice."""
+        ws, g = self.cfg.warm_start, self.cfg.eval_gconfig
+        sft_examples, accuracy = self.train_examples, None
+        if ws.target_accuracy > 0 and ws.steps > 0:
+            if ws.eval_problems >= len(self.train_examples):
+                raise ValueError(f"warm_start.eval_problems={ws.eval_problems} holds out all {len(self.train_examples)} "
+                                 "training examples; lower it (or raise train_dataset.synthetic.train_size)")
+            held = self.train_examples[-ws.eval_problems:]
+            # Repeated problems leave the supervised data too: the check measures answers the model was not shown.
+            held_q = {e.question for e in held}
+            sft_examples = [e for e in self.train_examples if e.question not in held_q]
+            bs = self.cfg.valid_dataset.batch_size
+
+            def accuracy() -> float:  # greedy: deterministic and no RNG draw, so the SFT stream is unchanged
+                correct = 0.0
+                for i in range(0, len(held), bs):
+                    chunk = held[i:i + bs]
+                    out = self.engine.generate([e.question for e in chunk], [e.final for e in chunk], n_samples=1,
+                                               max_new_tokens=g.max_new_tokens, greedy=True)
+                    correct += float(out.rewards.sum())
+                return correct / len(held)
+        return warm_start(self.model, self.tokenizer, self.formatter.format, self.formatter.sft_target, sft_examples,
+                          steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=self.cfg.seed, log=self.log,
+                          target_accuracy=ws.target_accuracy, eval_interval=ws.eval_interval, accuracy=accuracy)
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {"actor": self.actor.state_dict(), "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
                 "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done,
@@ -180,9 +206,7 @@ class Trainer:
             self._set_aside_previous_metrics()
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed)
         if not self.warm_start_done:
-            summary = warm_start(self.model, self.tokenizer, self.formatter.format, self.formatter.sft_target,
-                                 self.train_examples, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
-                                 lr=cfg.warm_start.lr, seed=cfg.seed, log=self.log)
+            summary = self.run_warm_start()
             self.warm_start_done = True
             self.excluded_s += summary.get("warm_start/seconds", 0.0)
             if cfg.evaluator.at_start and cfg.evaluator.freq_steps:

@@ -341,6 +341,23 @@ class WarmStartConfig(_Section):
                                     "models; set 0 for pretrained checkpoints.")
     batch_size: int = _f(64, ge=1, help="Examples per supervised step.")
     lr: float = _f(1e-3, gt=0.0, help="Supervised learning rate.")
+    target_accuracy: float = _f(0.0, ge=0.0, le=1.0,
+                                help="Adaptive warm start: stop at the first check whose greedy accuracy on a held-out "
+                                     "slice of training problems is at or above this; warm_start.steps is then the "
+                                     "cap (a run that hits the cap first says so in its log and summary). The end "
+                                     "point of a fixed step count varies with the machine; an accuracy target does "
+                                     "not. 0 = off: exactly warm_start.steps steps, no checks.")
+    eval_interval: int = _f(50, ge=1, help="Adaptive warm start: supervised steps between accuracy checks (a check "
+                                           "also runs at the cap).")
+    eval_problems: int = _f(256, ge=1, help="Adaptive warm start: training-format problems held out of the "
+                                            "supervised data (the last ones of train_dataset; never the validation "
+                                            "set) and answered greedily at each check.")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        if self.target_accuracy > 0 and 0 < self.steps < self.eval_interval:
+            return [("eval_interval", f"got {self.eval_interval}, more than warm_start.steps={self.steps} (the cap), "
+                                      "so the target would only be checked at the cap; set eval_interval <= steps")]
+        return []
 
 
 @dataclass

@@ -33,6 +33,7 @@ def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
         "total_train_steps": 3,
         "warm_start.steps": 10,
         "warm_start.batch_size": 16,
+        "warm_start.target_accuracy": 0,
         "train_dataset.batch_size": 8,
         "train_dataset.synthetic.train_size": 200,
         "evaluator.n_prompts": 16,
