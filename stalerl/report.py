@@ -165,7 +165,27 @@ class Cell:
             out.append(f"seed {r['seed']} failed ({err})")
         if self.missing:
             out.append("missing seed" + ("s " if len(self.missing) > 1 else " ") + ", ".join(map(str, self.missing)))
+        capped = [r["seed"] for r in self.finished if (r.get("warm_start") or {}).get("target_reached") == 0.0]
+        if capped:  # RL started from a weaker model than configured
+            out.append("warm start hit its cap before its target: seed" + ("s " if len(capped) > 1 else " ")
+                       + ", ".join(map(str, capped)))
         return "; ".join(out)
+
+    def warm_start(self) -> Optional[str]:
+        """The adaptive warm start's end point over seeds (None for fixed-step warm starts: no line)."""
+        runs = [r for r in self.finished if _get(r, "warm_start.target_accuracy") is not None]
+        if not runs:
+            return None
+        ws = [r["warm_start"] for r in runs]
+        targets = "/".join(f"{t:g}" for t in sorted({w["target_accuracy"] for w in ws}))
+        caps = "/".join(f"{c:.0f}" for c in sorted({w.get("cap", w["steps"]) for w in ws}))
+        reached = sum(1 for w in ws if w.get("target_reached") == 1.0)
+        steps = format_estimate(mean_interval([w["steps"] for w in ws]), 0)
+        acc = format_estimate(mean_interval([w["accuracy"] for w in ws if "accuracy" in w]))
+        per_seed = ", ".join(f"seed {r['seed']} {r['warm_start'].get('accuracy', float('nan')):.3f} at step "
+                             f"{r['warm_start']['steps']:.0f}" for r in runs)
+        return (f"{self.setting}, {self.method}: target {targets} reached by {reached}/{len(runs)} seeds; steps "
+                f"{steps} (cap {caps}); held-out greedy accuracy at the end {acc} ({per_seed})")
 
     def staleness(self) -> str:
         if not self.finished:
@@ -226,6 +246,10 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
     rows = [[c.setting, c.method, c.value(DETAIL_COLUMNS[0][1]), c.staleness(),
              *(c.value(f) for _, f in DETAIL_COLUMNS[1:])] for c in cells]
     lines += _table(header, rows)
+    ws_lines = [w for w in (c.warm_start() for c in cells) if w]
+    if ws_lines:  # only for adaptive warm starts (warm_start.target_accuracy > 0): other blocks stay as they were
+        lines += ["", "Adaptive warm start (stops at the first check whose greedy accuracy on held-out training "
+                  "problems reaches the target; steps = its cap):", "", *(f"- {w}" for w in ws_lines)]
     if claims:
         from stalerl.report_claims import render_claims
 

@@ -27,7 +27,6 @@ the cache and the run directories must be on a shared filesystem (``cluster.file
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -142,6 +141,7 @@ def warm_start_to(cfg, out: Path) -> Path:
     """Run the config's warm start once and save the model atomically (a temp directory renamed into place)."""
     import torch
 
+    from stalerl.run_summary import _config_dict
     from stalerl.trainer import Trainer
 
     if (out / WARM_START_MARKER).is_file():
@@ -152,7 +152,7 @@ def warm_start_to(cfg, out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_model(tmp)
     marker = {"base_path": cfg.actor.path, "seed": cfg.seed, "torch": torch.__version__,
-              "warm_start": dataclasses.asdict(cfg.warm_start),  # the config, as an in-run warm start has it
+              "warm_start": _config_dict(cfg)["warm_start"],  # as an in-run warm start's config has it
               "final_loss": info.get("warm_start/final_loss"),
               # what happened: steps done, and for an adaptive warm start its check (see stalerl.warm_start)
               "result": {k.split("/", 1)[1]: v for k, v in info.items() if k != "warm_start/seconds"}}

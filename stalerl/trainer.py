@@ -149,12 +149,16 @@ class Trainer:
         sft_examples, accuracy = self.train_examples, None
         if ws.target_accuracy > 0 and ws.steps > 0:
             if ws.eval_problems >= len(self.train_examples):
-                raise ValueError(f"warm_start.eval_problems={ws.eval_problems} holds out all {len(self.train_examples)} "
-                                 "training examples; lower it (or raise train_dataset.synthetic.train_size)")
+                raise ValueError(f"warm_start.eval_problems={ws.eval_problems} holds out all "
+                                 f"{len(self.train_examples)} training examples; lower it (or raise "
+                                 "train_dataset.synthetic.train_size)")
             held = self.train_examples[-ws.eval_problems:]
             # Repeated problems leave the supervised data too: the check measures answers the model was not shown.
             held_q = {e.question for e in held}
             sft_examples = [e for e in self.train_examples if e.question not in held_q]
+            if not sft_examples:
+                raise ValueError(f"warm_start.eval_problems={ws.eval_problems}: the held-out problems cover every "
+                                 "training problem; lower it")
             bs = self.cfg.valid_dataset.batch_size
 
             def accuracy() -> float:  # greedy: deterministic and no RNG draw, so the SFT stream is unchanged
