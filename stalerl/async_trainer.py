@@ -77,6 +77,9 @@ class AsyncTrainer(Trainer):
         self.loaded_version: dict[str, int] = {}
         self.weight_files: dict[int, Any] = {}
 
+    def _rollout_in_workers(self) -> bool:
+        return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
+
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
         total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches

