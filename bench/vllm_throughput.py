@@ -39,7 +39,8 @@ def _options(threads: int):
 
 
 def _time(engine, questions, answers, n, new_tokens, repeats, **kw) -> tuple[float, int]:
-    engine.generate(questions[:2], answers[:2], n_samples=n, max_new_tokens=new_tokens, **kw)  # warm-up
+    warm = {k: v[:2] for k, v in kw.items()}
+    engine.generate(questions[:2], answers[:2], n_samples=n, max_new_tokens=new_tokens, **warm)  # warm-up
     rates, tokens = [], 0
     for _ in range(repeats):
         start = time.perf_counter()
