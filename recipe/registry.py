@@ -26,7 +26,7 @@ BatchSelector = Callable[..., "dict[str, Any]"]
 
 # Modules that register the built-in losses. Imported lazily on first lookup so that
 # `import recipe.registry` stays import-cycle free (the recipes import this module).
-_BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines")
+_BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines", "recipe.fipo")
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ class Trainer:
         self.step = 0  # optimizer steps taken = the trainer's weight version
         self.tasks_generated = 0  # prompt groups generated so far; seeds each generate call (see generation_seed)
         self.warm_start_done = False
+        self._gen_rewards: list[torch.Tensor] = []  # rewards of the batches generated during the current step
 
     # ------------------------------------------------------------------ pieces
     def _build_engine(self):
@@ -103,7 +104,8 @@ class Trainer:
 
             return build_vllm_engine(self.cfg, self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
                                      work_dir=self.run_dir / "vllm" / "sync", track_source=True)
-        return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device)
+        return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device,
+                               compute_dtype=self.cfg.actor.dtype)
 
     def _rollout_in_workers(self) -> bool:
         """The asynchronous trainer generates in rollout workers (it keeps an HF engine for evaluation only)."""
@@ -150,6 +152,7 @@ class Trainer:
             # The authors' choice: behaviour log-probs from the training engine at the generating weights (which
             # are the current weights at generation time in this loop), so train/infer mismatch stays out of M2.
             batch.behavior_logp = self.actor.compute_logp(batch)
+        self._gen_rewards.append(batch.rewards)
         self._gen_seconds += self.engine.last_generate_seconds
         self._gen_tokens += batch.num_response_tokens
         return batch
@@ -255,6 +258,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         self._gen_seconds, self._gen_tokens = 0.0, 0
+        self._gen_rewards = []  # reward/generated: this step's fresh batches (under a FIFO, not the consumed one)
         t0 = time.perf_counter()
         batch = self.fifo.next_batch(self.generate_batch)
         t_gen = time.perf_counter() - t0
@@ -266,6 +270,8 @@ class Trainer:
         self.step += 1
         metrics.update(stale)
         metrics.update(self.batch_metrics(batch))
+        if self._gen_rewards:
+            metrics["reward/generated"] = float(torch.cat(self._gen_rewards).float().mean())
         train_tokens = float(batch.attention_mask().sum())
         metrics.update({
             "timing/gen_s": t_gen, "timing/train_s": t_train, "timing/step_s": time.perf_counter() - t0,
@@ -289,8 +295,12 @@ class Trainer:
         n_groups = int(inv.max()) + 1 if inv.numel() else 0
         gmax = torch.full((n_groups,), -float("inf")).scatter_reduce(0, inv, r, "amax")
         gmin = torch.full((n_groups,), float("inf")).scatter_reduce(0, inv, r, "amin")
+        # "reward" is kept as an alias of "reward/consumed" (the batch trained on, generated `staleness` versions
+        # earlier) for existing plots and sweep tables; "reward/generated" is logged by the train steps.
+        mean_r = float(r.mean()) if r.numel() else 0.0
         return {
-            "reward": float(r.mean()) if r.numel() else 0.0,
+            "reward": mean_r,
+            "reward/consumed": mean_r,
             "accuracy": float((r >= 1.0).float().mean()) if r.numel() else 0.0,
             "groups_with_signal": float((gmax > gmin).float().mean()) if n_groups else 0.0,
             "response_length": float(batch.response_mask.sum(dim=1).float().mean()) if r.numel() else 0.0,
