@@ -97,7 +97,11 @@ def run_stalerl(mode: str, engine: str, steps: int, new_tokens: int, threads: in
     if res.returncode != 0:
         raise RuntimeError(f"stalerl {mode} failed:\n{res.stderr[-3000:]}")
     rows = [json.loads(line) for line in (root / "gsm8k-m2po-cpu" / mode / "metrics.jsonl").read_text().splitlines()]
-    return [r["timing/step_s"] for r in rows if "timing/step_s" in r]
+    rows = [r for r in rows if "timing/step_s" in r]
+    parts = [k for k in ("timing/gen_s", "timing/wait_for_data_s", "timing/train_s") if k in rows[0]]
+    print(f"  stalerl {mode}: median of steps 2..N: " + ", ".join(
+        f"{k} {statistics.median(r[k] for r in rows[1:] or rows):.2f}" for k in parts), flush=True)
+    return [r["timing/step_s"] for r in rows]
 
 
 def main() -> None:
