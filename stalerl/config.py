@@ -445,8 +445,11 @@ class ActorConfig(_Section):
     path: str = _f("tiny:qwen2", help="HF model directory (or hub name available offline), or tiny:qwen2 / "
                                       "tiny:llama for the embedded from-scratch model shaped by actor.tiny.")
     tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
-    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
-                                       "(plain/DDP) or fsdp.")
+    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>': torch = a full replica "
+                                       "per rank, gradients all-reduced in flattened buckets; fsdp = FSDP2, "
+                                       "parameters, gradients and optimizer state sharded over the Y ranks "
+                                       "(fsdp:d1 runs the torch engine). Y > 1 runs the asynchronous runtime. "
+                                       "Tensor/pipeline parallelism (t/p) are not supported.")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), help="Parameter dtype.")
     device: str = _f("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available, else cpu.")
     gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
@@ -494,9 +497,13 @@ class ActorConfig(_Section):
             if b.engine == "torch" and (b.tp > 1 or b.pp > 1):
                 out.append(("backend", f"got {self.backend!r}; the torch engine supports data parallelism only. "
                                        f"Fix: use torch:d{b.dp}."))
-            elif b.engine == "fsdp" and b.pp > 1:
-                out.append(("backend", f"got {self.backend!r}; fsdp does not support pipeline parallelism. "
-                                       f"Fix: use fsdp:d{b.dp}" + (f"t{b.tp}" if b.tp > 1 else "") + "."))
+            elif b.engine == "fsdp" and (b.tp > 1 or b.pp > 1):
+                # Tensor parallelism would need the model's layers rewritten as parallel linears (DTensor
+                # parallelize_module plans per architecture); sharding the same ranks with FSDP gives the same
+                # per-rank memory for weights, gradients and optimizer state at this runtime's model sizes.
+                out.append(("backend", f"got {self.backend!r}; the fsdp engine shards over data-parallel ranks "
+                                       "only: tensor and pipeline parallelism are not implemented. "
+                                       f"Fix: use fsdp:d{b.world_size} (FSDP over all {b.world_size} ranks)."))
         from recipe.common import LOSS_AGG_MODES  # lazy: recipe imports torch
         from recipe.registry import registered_policy_losses
 
@@ -848,6 +855,14 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
+    if ab.dp > 1 and not is_async(cfg):
+        why = (f"rollout.fixed_staleness={ro.fixed_staleness} runs" if ro.fixed_staleness > 0
+               else "rollout.mode=sync runs")
+        out.append(("actor.backend",
+                    f"got {actor.backend!r}; {ab.dp} train ranks exist only in the asynchronous runtime, and {why} "
+                    "the single-process loop, which would train on one rank. Fix: set rollout.fixed_staleness=0 "
+                    "rollout.mode=auto and rollout.max_head_offpolicyness=<k> for stale rollouts, or "
+                    f"actor.backend={ab.engine}:d1."))
     if actor.device == "cpu" and actor.dtype == "float16":
         out.append(("actor.dtype", "got 'float16' with actor.device=cpu; CPU training in float16 is not supported. "
                                    "Fix: set actor.dtype=float32 (or bfloat16)."))
