@@ -69,7 +69,18 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
             return a
 
         actor = make_actor(model)
-        metrics = [actor.update(sub, sub_adv, minibatch_sizes=sizes)]
+        reduced = []  # sizes of the tensors all-reduced during the first update
+        plain_all_reduce = dist.all_reduce
+
+        def counting_all_reduce(tensor, *a, **kw):
+            reduced.append(tensor.numel())
+            return plain_all_reduce(tensor, *a, **kw)
+
+        dist.all_reduce = counting_all_reduce
+        try:
+            metrics = [actor.update(sub, sub_adv, minibatch_sizes=sizes)]
+        finally:
+            dist.all_reduce = plain_all_reduce
         state = copy.deepcopy(actor.state_dict())  # collective for fsdp: full state on rank 0; a copy, as saved
         weights_1 = copy.deepcopy(actor.full_model_state())  # replicas: live tensors, copy before update 2
         metrics.append(actor.update(sub, sub_adv, minibatch_sizes=sizes))
@@ -99,7 +110,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
         if rank == 0:
             torch.save({"metrics": metrics, "weights_1": weights_1, "weights_2": weights_2,
                         "resumed_metrics": resumed_metrics, "weights_resumed": weights_resumed,
-                        "sharded": actor.sharded, "state_keys": sorted(state)},
+                        "sharded": actor.sharded, "state_keys": sorted(state),
+                        "reduced": reduced, "n_params": len(list(model.parameters()))},
                        os.path.join(out_dir, f"{engine}.pt"))
     finally:
         dist.destroy_process_group()
