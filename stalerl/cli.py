@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional
 
-from stalerl.config import load_config, parse_args, run_dir
+from stalerl.config import ExperimentConfig, is_async, load_config, parse_args, run_dir
 from stalerl.launcher import launch
 from stalerl.trainer import LAUNCH_TIME_ENV
 from stalerl.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
@@ -65,8 +65,6 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
     if kind == "local":
         statuses = _run_local(config_path, runs)
     else:
-        from stalerl.launcher import run_sweep_on
-
         statuses = run_sweep_on(kind, config_path, runs, configs)
     rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
     out = write_summary(rows, run_dir(base).parent)
@@ -86,6 +84,69 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]]) ->
         print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
         statuses.append(status)
     return statuses
+
+
+# Sweeps under a cluster scheduler. They live here, not in stalerl.launcher, because a Ray sweep runs this
+# CLI inside each task: the imports go one way only, cli -> launcher.
+def run_sweep_on(kind: str, config_path, runs, configs) -> list[str]:
+    """Run the sweep's runs under a cluster scheduler; returns one status per run."""
+    if kind == "ray":
+        return _run_sweep_on_ray(config_path, runs, configs)
+    if kind == "slurm":
+        from stalerl.schedulers.slurm import run_sweep
+
+        return run_sweep(config_path, runs, configs)
+    raise ValueError(f"unknown scheduler.type {kind!r}")
+
+
+def run_cpus(cfg: ExperimentConfig) -> float:
+    """CPUs one run occupies: torch_threads per process (the controller plus its worker processes)."""
+    from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+
+    processes = 1
+    if is_async(cfg):
+        processes = (parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
+                     + parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp)
+    return float(cfg.torch_threads * processes)
+
+
+def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
+    """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
+    its task a run uses the local scheduler for its own worker processes."""
+    from stalerl.workers.hosting import import_ray, init_ray, worker_resources
+
+    ray = import_ray()
+    started = init_ray(configs[0].scheduler.ray_address)
+    try:
+        total = ray.cluster_resources().get("CPU", 0.0)
+        refs = []
+        for (trial, overrides), cfg in zip(runs, configs):
+            cpus = run_cpus(cfg)
+            if cpus > total:
+                raise RuntimeError(f"sweep run {trial} needs {cpus:g} CPUs but the Ray cluster has {total:g}")
+            argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
+            task = ray.remote(_cli_in_task).options(num_cpus=cpus, num_gpus=worker_resources(cfg).gpus,
+                                                    max_retries=0)
+            refs.append(task.remote(argv))
+        statuses = []
+        for (trial, _), ref in zip(runs, refs):
+            try:
+                code = ray.get(ref)
+                statuses.append("ok" if code == 0 else f"failed ({code})")
+            except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
+                statuses.append(f"failed ({type(exc).__name__})")
+            print(f"{trial}: {statuses[-1]}", flush=True)
+        return statuses
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _cli_in_task(argv: list[str]) -> int:
+    # by name: under `python -m stalerl.cli` this module is __main__, whose functions Ray would pickle by value
+    from stalerl.cli import main
+
+    return main(argv)
 
 
 if __name__ == "__main__":
