@@ -155,7 +155,6 @@ class Actor:
         self.optimizer = build_optimizer(model, actor_cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
-        self._pending_optimizer_state: Optional[dict] = None  # a full checkpoint's, until shard() installs it
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
 
     # ---------------------------------------------------------------- log-probs
@@ -224,13 +223,16 @@ class Actor:
         """Shard the model over the data-parallel group with FSDP2 and rebuild the optimizer over the shards.
 
         Collective: every rank calls it at the same point, with the same ``optimizer_state_follows`` (rank 0 then
-        broadcasts the full optimizer state a checkpoint gave it, see load_state_dict). ``copy_model``: shard a copy
+        broadcasts the optimizer state it had before sharding, e.g. from a checkpoint). ``copy_model``: shard a copy
         and leave ``self.model``'s original unsharded for the caller (rank 0 keeps it to evaluate, publish and
         save). The replicas must be identical before this (broadcast rank 0's weights first)."""
         if self.sharded:
             return
         import copy
 
+        carried = None
+        if optimizer_state_follows and self.dp.rank == 0:
+            carried = fsdp.optimizer_state_by_name(self.model, self.optimizer.state_dict())
         model = copy.deepcopy(self.model) if copy_model else self.model
         self.model = fsdp.shard_model(model, self.dp.size, dtype)
         self.device = next(self.model.parameters()).device
@@ -240,12 +242,12 @@ class Actor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_updates)
         self.lr_scheduler.load_state_dict(scheduler_state)
         if optimizer_state_follows:
-            fsdp.load_full_optimizer_state(self.model, self.optimizer, self._pending_optimizer_state)
-        self._pending_optimizer_state = None
+            fsdp.load_full_optimizer_state(self.model, self.optimizer, carried)
 
     @property
     def has_pending_optimizer_state(self) -> bool:
-        return self._pending_optimizer_state is not None
+        """Not sharded yet and the optimizer has state (a restored checkpoint) that shard() must carry over."""
+        return not self.sharded and bool(self.optimizer.state)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """Sharded: collective, the full weights on rank 0 (CPU) and {} elsewhere. Replicated: the local weights."""
@@ -364,15 +366,15 @@ class Actor:
                 "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A full state (from either engine). A sharded checkpoint's optimizer state (keyed by name) is kept until
-        shard() broadcasts it into the shards; loading one into an already sharded actor is a collective."""
+        """A full state from either engine: the plain optimizer's (keyed by index) or a sharded run's (keyed by
+        parameter name), so a run can resume with the other engine or rank count. Into a sharded actor: collective."""
         if state.get("format") == fsdp.FULL_STATE_FORMAT:
             if self.sharded:
                 fsdp.load_full_model_state(self.model, state.get("model"))
                 fsdp.load_full_optimizer_state(self.model, self.optimizer, state.get("optimizer"))
             else:
                 self.model.load_state_dict(state["model"])
-                self._pending_optimizer_state = state["optimizer"]
+                self.optimizer.load_state_dict(fsdp.optimizer_state_by_index(self.model, state["optimizer"]))
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             return
         self.model.load_state_dict(state["model"])

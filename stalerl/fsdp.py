@@ -4,8 +4,11 @@ gradient all-reduce of the plain engine (``torch:dY``).
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer, then the root (embeddings, final norm,
 tied head), over all Y train ranks. Parameters are sharded in fp32 (the master weights the optimizer steps); with
 ``actor.dtype=bfloat16`` a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` all-gathers them in bf16
-for the forward/backward and reduce-scatters gradients in fp32. Gradients are averaged over ranks by the
-reduce-scatter, matching the plain engine's all-reduce + divide.
+for the forward/backward and reduce-scatters gradients in fp32. The actor's forward still runs under the same
+``torch.autocast`` as generation and the plain engine (stalerl.model.autocast_context), so norms and softmax keep
+the numerics the rollout engine sampled with; the policy's bf16 cast of the fp32 shards equals autocast's cast of
+fp32 weights. Gradients are averaged over ranks by the reduce-scatter, matching the plain engine's all-reduce +
+divide.
 
 Transport. nccl on GPUs; on CPU the gloo backend of torch 2.13 implements everything FSDP2 calls
 (``all_gather_into_tensor``, ``reduce_scatter_tensor`` with SUM/AVG, fp32 and bf16; checked by
@@ -142,6 +145,26 @@ def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _trained_names(model: torch.nn.Module) -> list[str]:
+    # build_optimizer's order: model.parameters() (a tied weight once, under its first name), trainable only.
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def optimizer_state_by_name(model: torch.nn.Module, state: dict) -> dict:
+    """A plain optimizer's ``state_dict()`` (keyed by index) in the layout ``get_optimizer_state_dict`` uses
+    (keyed by parameter name), for an unsharded ``model``; pure bookkeeping, no communication."""
+    names = _trained_names(model)
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_index(model: torch.nn.Module, state: dict) -> dict:
+    """The inverse of :func:`optimizer_state_by_name`: a name-keyed full optimizer state for a plain optimizer."""
+    index = {n: i for i, n in enumerate(_trained_names(model))}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

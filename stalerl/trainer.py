@@ -143,7 +143,8 @@ class Trainer:
 
     def checkpoint_state(self, actor_state: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """``actor_state``: the actor's state when the caller already gathered it (sharded actors)."""
-        return {"actor": self.actor.state_dict() if actor_state is None else actor_state, "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
+        return {"actor": self.actor.state_dict() if actor_state is None else actor_state,
+                "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
                 "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done,
                 "tasks_generated": self.tasks_generated}
 

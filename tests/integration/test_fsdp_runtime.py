@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CPU_CONFIG, REPO, sigkill_after_checkpoint, small_overrides
+from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.checkpoint import load_latest_checkpoint
 from stalerl.metrics_log import read_metrics
 
@@ -72,7 +72,7 @@ def test_fsdp_d2_trains_like_torch_d1(tmp_path):
     assert all(r["actor/grad_norm"] > 0 for r in read_metrics(_dir(tmp_path, "d1"))[1:])  # real updates
 
 
-def test_fsdp_d2_resumes_after_sigkill_like_an_uninterrupted_run(tmp_path):
+def test_fsdp_d2_resumes_after_sigkill_like_an_uninterrupted_run(tmp_path, sigkill_after_checkpoint):
     extra = {"actor.backend": "fsdp:d2", "total_train_steps": 4, "recover.mode": "auto", "recover.freq_steps": 2,
              "evaluator.freq_steps": 2}
     _run(_cmd(tmp_path, "straight", **extra))

@@ -22,8 +22,8 @@ QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]
 ANSWERS = ["19", "48", "100", "16", "42", "10"]
 # AdamW (so a resume must restore its moments) with eps large enough that float noise in near-zero gradients is not
 # amplified into a full lr-sized step (tiny eps makes the first step ~lr * sign(g), which flips on noise).
-OVERRIDES = ["actor.optimizer.eps=1e-3", "actor.loss=m2po", "actor.m2_threshold=0.01", "actor.optimizer.lr=1e-2", "actor.ppo_n_minibatches=2",
-             "train_dataset.batch_size=6", "actor.optimizer.gradient_clipping=1.0"]
+OVERRIDES = ["actor.optimizer.eps=1e-3", "actor.loss=m2po", "actor.m2_threshold=0.01", "actor.optimizer.lr=1e-2",
+             "actor.ppo_n_minibatches=2", "train_dataset.batch_size=6", "actor.optimizer.gradient_clipping=1.0"]
 
 
 def setup():
@@ -82,6 +82,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
         finally:
             dist.all_reduce = plain_all_reduce
         state = copy.deepcopy(actor.state_dict())  # collective for fsdp: full state on rank 0; a copy, as saved
+        saved = copy.deepcopy(state)  # loading aliases the tensors (the resumed optimizer steps them in place)
         weights_1 = copy.deepcopy(actor.full_model_state())  # replicas: live tensors, copy before update 2
         metrics.append(actor.update(sub, sub_adv, minibatch_sizes=sizes))
         weights_2 = actor.full_model_state()
@@ -111,7 +112,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
             torch.save({"metrics": metrics, "weights_1": weights_1, "weights_2": weights_2,
                         "resumed_metrics": resumed_metrics, "weights_resumed": weights_resumed,
                         "sharded": actor.sharded, "state_keys": sorted(state),
-                        "reduced": reduced, "n_params": len(list(model.parameters()))},
+                        "reduced": reduced, "state": saved},
                        os.path.join(out_dir, f"{engine}.pt"))
     finally:
         dist.destroy_process_group()
@@ -132,3 +133,13 @@ def reference(max_tokens_per_mb: int) -> dict:
     weights_1 = {k: v.clone() for k, v in model.state_dict().items()}
     metrics.append(actor.update(batch, adv))
     return {"metrics": metrics, "weights_1": weights_1, "weights_2": dict(model.state_dict())}
+
+
+def resume_plain(state: dict, max_tokens_per_mb: int) -> dict:
+    """torch:d1 resumed from a (sharded run's) full state, then the second update."""
+    cfg = load_config([*OVERRIDES, f"actor.mb_spec.max_tokens_per_mb={max_tokens_per_mb}"]).actor
+    model, batch, adv = setup()
+    actor = Actor(model, cfg, temperature=1.0, total_updates=4)
+    actor.load_state_dict(state)
+    actor.update(batch, adv)
+    return dict(model.state_dict())

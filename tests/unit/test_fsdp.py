@@ -64,6 +64,9 @@ def test_fsdp_d2_and_torch_d2_give_the_torch_d1_update_and_resume(tmp_path, max_
         assert got["resumed_metrics"]["actor/lr"] == pytest.approx(ref["metrics"][1]["actor/lr"])
         if engine == "fsdp":
             assert got["state_keys"] == ["format", "lr_scheduler", "model", "optimizer"]
+            # The sharded run's checkpoint resumes with the plain engine too (optimizer state keyed by name).
+            plain = fsdp_dist_worker.resume_plain(got["state"], max_tokens_per_mb)
+            _close(plain, ref["weights_2"])
         # Gradients (every tensor here has >= 64 elements; the counts and M2PO scalars have a few) go in one
         # flattened bucket per optimizer step for torch:d2 (before: one all-reduce per parameter tensor), and not
         # through all-reduce at all for fsdp:d2 (reduce-scatter inside FSDP2).
