@@ -11,13 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "seq-mean-token-mean",
-)
+from recipe.registry import LOSS_AGG_MODES  # noqa: E402 - defined torch-free there for config validation
 
 # exp() of a log-ratio beyond this is clamped in the forward pass with a straight-through gradient (verl clamps the
 # forward value too, but its torch.clamp zeroes the gradient beyond the bound; the two differ only for |d| > 20).

@@ -1,9 +1,14 @@
 """The command line of the main job (``examples/math/gsm8k_rl.py`` and ``python -m stalerl.cli``).
 
-    python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot]
+    python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot] [--debug]
 
 A ``key=a,b,c`` override makes it a sweep over the grid of values (see :mod:`stalerl.sweep`). Every config of a
-sweep is loaded and validated before the first run starts.
+sweep is loaded and validated before the first run starts. A bare or relative ``--config`` that is not found from
+the current directory is looked up next to the script and among the example configs (:mod:`stalerl.config_lookup`).
+
+User errors (config, data, model, resources, trial directory) print one line, ``stalerl: error: ...``, and exit
+with code 2; ``--debug`` shows their traceback. torch, transformers and Ray are imported only when a run starts,
+so ``--help`` and ``--dry-run`` return at once (``bench/cli_startup.py`` measures it).
 """
 
 from __future__ import annotations
@@ -14,30 +19,76 @@ import sys
 import time
 from typing import Optional
 
-from stalerl.config import load_config, parse_args, run_dir
+from stalerl.config import ConfigError, format_help, load_config, parse_args, run_dir
+from stalerl.config_lookup import resolve_config_path
+from stalerl.errors import EXIT_USER_ERROR, UserError
+from stalerl.launch_env import LAUNCH_TIME_ENV
 from stalerl.launcher import launch
-from stalerl.trainer import LAUNCH_TIME_ENV
 from stalerl.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
-from stalerl.workers.process import WorkerFailure, failure_exit_code
+
+DEBUG_FLAG = "--debug"
+EXTRA_HELP = ("  --debug              show the traceback of a user error (config, data, model, resources, trial "
+              "directory),\n                       which otherwise prints as one line with exit code 2")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    try:
+        return _main(argv, debug=debug)
+    except (ConfigError, UserError) as err:
+        if debug:
+            raise
+        print(f"stalerl: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+def one_line(err: BaseException) -> str:
+    """A multi-problem config error on one line (problems separated by '; ')."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return lines[0] + " " + "; ".join(ln.lstrip("- ") for ln in lines[1:])
+    return " ".join(lines)
+
+
+def _main(argv: list[str], *, debug: bool = False) -> int:
     # When the job was launched, for the start-up overhead metric (inherited by workers, tasks and Slurm jobs).
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
-    argv = sys.argv[1:] if argv is None else list(argv)
     config_path, overrides, flags = parse_args(argv)
-    if not flags.get("help") and is_sweep(overrides):
-        return run_sweep(config_path, overrides, dry_run=bool(flags.get("dry_run")))
-    cfg = load_config(argv)
+    if flags.get("help"):
+        print(format_help())
+        print(EXTRA_HELP)
+        return 0
+    if config_path is not None:
+        found = resolve_config_path(config_path)
+        if found != config_path:
+            print(f"stalerl: config {config_path} -> {found}", file=sys.stderr, flush=True)
+        config_path = found
+    dry_run = bool(flags.get("dry_run"))
+    if is_sweep(overrides):
+        return run_sweep(config_path, overrides, dry_run=dry_run, debug=debug)
+    cfg = load_config([*_config_args(config_path), *overrides])
     if cfg.scheduler.type == "slurm":  # sbatch; inside the job this CLI runs again with scheduler.type=ray/local
         from stalerl.schedulers.slurm import launch as launch_slurm
 
-        return launch_slurm(cfg, config_path, overrides, bool(flags.get("dry_run")))
+        return launch_slurm(cfg, config_path, overrides, dry_run)
+    if dry_run:  # print the resolved config; nothing heavy is imported
+        launch(cfg, dry_run=True)
+        return 0
+    from stalerl.workers.process import WorkerFailure, failure_exit_code
+
+    start = time.time()
     try:
-        launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
+        launch(cfg, plot=bool(flags.get("plot")))
     except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
         print(f"stalerl: {failure}", file=sys.stderr)
         return failure_exit_code(failure)
+    from stalerl.run_summary_console import first_eval_accuracy, format_run_summary, summary_row
+
+    rd = run_dir(cfg)
+    print(format_run_summary(summary_row(rd), rd, wall_s=time.time() - start, first_eval=first_eval_accuracy(rd)),
+          flush=True)
     return 0
 
 
@@ -45,10 +96,11 @@ def _config_args(config_path: Optional[str]) -> list[str]:
     return ["--config", config_path] if config_path else []
 
 
-def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool = False) -> int:
+def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool = False,
+              debug: bool = False) -> int:
     fixed, axes = sweep_axes(overrides)
     if any(k == "scheduler.type" for k, _ in axes):
-        raise ValueError("scheduler.type cannot be swept: a sweep runs under one scheduler")
+        raise UserError("scheduler.type cannot be swept: a sweep runs under one scheduler")
     base = load_config([*_config_args(config_path), *fixed])
     runs = expand(overrides, base.trial_name)
     configs = [load_config([*_config_args(config_path), *ovr]) for _, ovr in runs]  # all validated up front
@@ -63,7 +115,7 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
         return 0
     kind = base.scheduler.type
     if kind == "local":
-        statuses = _run_local(config_path, runs)
+        statuses = _run_local(config_path, runs, debug=debug)
     else:
         from stalerl.launcher import run_sweep_on
 
@@ -75,13 +127,14 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
     return 0 if all(s == "ok" for s in statuses) else 1
 
 
-def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]]) -> list[str]:
+def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *, debug: bool = False) -> list[str]:
     """One run after another, each in its own process (a failed run does not stop the sweep)."""
     statuses = []
     for i, (trial, ovr) in enumerate(runs, 1):
         start = time.perf_counter()
         print(f"[{i}/{len(runs)}] {trial}", flush=True)
-        res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr])
+        res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr,
+                              *([DEBUG_FLAG] if debug else [])])
         status = "ok" if res.returncode == 0 else f"failed ({res.returncode})"
         print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
         statuses.append(status)
