@@ -37,11 +37,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
         return _main(argv, debug=debug)
-    except (ConfigError, UserError) as err:
-        if debug:
+    except Exception as err:  # noqa: BLE001 - only user errors are caught; anything else is re-raised (a bug)
+        if debug or not isinstance(err, _user_error_types()):
             raise
         print(f"stalerl: error: {one_line(err)}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """Config/user errors, and Slurm's (sbatch missing or rejecting the job: a scheduler precondition) when the
+    Slurm scheduler was used (its module is only imported then)."""
+    types: tuple[type, ...] = (ConfigError, UserError)
+    slurm = sys.modules.get("stalerl.schedulers.slurm")
+    return types + ((slurm.SlurmError,) if slurm is not None else ())
 
 
 def one_line(err: BaseException) -> str:

@@ -124,3 +124,18 @@ def test_trial_directory_reruns_are_refused_extended_or_started_over(tmp_path):
     over = run_cli([*base, "recover.mode=disabled", "rollout.fixed_staleness=1"])
     assert over.returncode == 0, over.stderr[-3000:]
     assert list(run.glob("checkpoints.*")) and "previous checkpoints moved" in over.stdout
+
+
+def test_slurm_without_sbatch_is_one_line_exit_2(tmp_path):
+    import shutil
+
+    path = f"{Path(sys.executable).parent}:/nonexistent-bin"
+    if shutil.which("sbatch", path=path):
+        pytest.skip("sbatch is on this PATH")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=path)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--config", "gsm8k_m2po_cpu.yaml", "scheduler.type=slurm",
+                          f"cluster.fileroot={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    lines = error_lines(res)
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "sbatch not found on PATH" in lines[0]
