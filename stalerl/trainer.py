@@ -172,7 +172,7 @@ class Trainer:
         if found is None:
             if mode == "resume":
                 raise UserError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
-                                        "use recover.mode=auto to start fresh when none exists")
+                                "use recover.mode=auto to start fresh when none exists")
             return None
         step, state = found
         if step >= self.total_steps:  # never a silent no-op (stalerl.trial_dir refuses this earlier when it can)
@@ -295,8 +295,14 @@ class Trainer:
         }
 
     def save_model(self, path: os.PathLike) -> None:
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Writing model shards" bar is noise on the console and in logs
+        try:
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        finally:
+            hf_logging.enable_progress_bar()
 
 
 def run(cfg: ExperimentConfig) -> dict[str, Any]:

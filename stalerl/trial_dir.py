@@ -122,6 +122,9 @@ def check_trial_dir(cfg: Any, run_dir: Path, log=print) -> None:
     if cfg.recover.mode == "disabled":
         _set_aside(run_dir, meta is not None, finished is not None, log)
         return
+    if meta is None and cfg.recover.mode == "resume":
+        raise UserError(f"recover.mode=resume but trial {run_dir} has no checkpoint; use recover.mode=auto to start "
+                        "fresh when none exists, or check experiment_name / trial_name / cluster.fileroot")
     if meta is None and finished is None:
         return  # nothing to continue: a fresh start
     if meta is None:  # finished without a checkpoint (it ran with recover.mode=disabled): nothing to extend from

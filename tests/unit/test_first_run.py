@@ -199,3 +199,9 @@ def test_builtin_loss_table_matches_what_the_recipes_register():
 
     assert set(BUILTIN_POLICY_LOSSES) <= set(registered_policy_losses())
     assert recipe.common.LOSS_AGG_MODES is LOSS_AGG_MODES
+
+
+def test_resume_without_a_checkpoint_is_refused_before_launch(tmp_path):
+    cfg = _cfg(tmp_path, "recover.mode=resume")
+    with pytest.raises(UserError, match="recover.mode=resume but trial .* has no checkpoint"):
+        check_trial_dir(cfg, tmp_path / cfg.experiment_name / cfg.trial_name, log=lambda *_: None)
