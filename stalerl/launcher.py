@@ -68,11 +68,12 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
                       f"torch_threads (CPUs per task, now {cfg.torch_threads}) at most the cluster's CPUs")
         log_path = run_dir(cfg) / "logs" / "trainer.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
+        log_path.touch()
         # max_calls=1: the worker process exits after the task, so its redirected output never outlives it.
         task = ray.remote(max_calls=1)(_train_in_task).options(num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0)
         ref = task.remote(cfg, str(log_path) if tail else None)
         with open(log_path, "rb") as log:
+            log.seek(0, 2)  # this run's output only (an extended trial appends to the same file)
             while True:
                 done, _ = ray.wait([ref], timeout=0.2)
                 _copy_new_output(log)
@@ -80,9 +81,11 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
                     break
         try:
             return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:  # the task's own exception, not Ray's wrapped traceback text
+        except ray.exceptions.RayTaskError as exc:
+            from stalerl.errors import UserError
+
             cause = getattr(exc, "cause", None)
-            if isinstance(cause, BaseException):
+            if isinstance(cause, UserError):  # one line for the user; a bug keeps Ray's remote traceback
                 raise cause from None
             raise
     finally:
@@ -95,7 +98,11 @@ def _copy_new_output(log) -> None:
 
     chunk = log.read()
     if chunk:
-        sys.stdout.buffer.write(chunk)
+        buffer = getattr(sys.stdout, "buffer", None)
+        if buffer is not None:
+            buffer.write(chunk)
+        else:  # a replaced stdout (e.g. a test's capture)
+            sys.stdout.write(chunk.decode(errors="replace"))
         sys.stdout.flush()
 
 
