@@ -122,6 +122,10 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
             slurm_sweep(config_path, runs, configs, dry_run=True)
         return 0
     kind = base.scheduler.type
+    from stalerl.preflight import check_before_launch
+
+    for cfg in configs if kind != "slurm" else []:  # (a Slurm job's paths are checked inside the job)
+        check_before_launch(cfg)  # paths and device of every point before the first starts
     if kind == "local":
         statuses = _run_local(config_path, runs, debug=debug)
     else:

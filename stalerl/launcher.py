@@ -142,40 +142,54 @@ def run_cpus(cfg: ExperimentConfig) -> float:
 
 def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
     """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
-    its task a run uses the local scheduler for its own worker processes."""
+    its task a run uses the local scheduler for its own worker processes. A run that could never fit is refused
+    before any is submitted. On a local cluster each run's console goes to ``<run_dir>/logs/console.log`` (runs
+    proceed at once, so their lines would interleave); the driver prints one status line per run."""
+    from stalerl.preflight import check_ray_fit, ray_is_this_machine
     from stalerl.workers.hosting import import_ray, init_ray, worker_resources
 
     ray = import_ray()
-    started = init_ray(configs[0].scheduler.ray_address)
+    to_files = ray_is_this_machine(configs[0])
+    started = init_ray(configs[0].scheduler.ray_address, log_to_driver=not to_files)
     try:
-        total = ray.cluster_resources().get("CPU", 0.0)
-        refs = []
-        for (trial, overrides), cfg in zip(runs, configs):
-            cpus = run_cpus(cfg)
-            if cpus > total:
-                from stalerl.errors import UserError
-
-                raise UserError(f"sweep run {trial} needs {cpus:g} CPUs but the Ray cluster has {total:g}; lower "
-                                "torch_threads or the backends' sizes")
+        have = ray.cluster_resources()
+        asks = []
+        for (trial, _), cfg in zip(runs, configs):
+            ask = {"CPU": run_cpus(cfg), "GPU": worker_resources(cfg).gpus}
+            check_ray_fit(ask, have, f"sweep run {trial}", "lower torch_threads or the backends' sizes")
+            asks.append(ask)
+        refs, logs = [], []
+        for (trial, overrides), cfg, ask in zip(runs, configs, asks):
             argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
-            task = ray.remote(_cli_in_task).options(num_cpus=cpus, num_gpus=worker_resources(cfg).gpus,
-                                                    max_retries=0)
-            refs.append(task.remote(argv))
+            log_path = run_dir(cfg) / "logs" / "console.log" if to_files else None
+            task = ray.remote(max_calls=1)(_cli_in_task).options(num_cpus=ask["CPU"], num_gpus=ask["GPU"],
+                                                                 max_retries=0)
+            refs.append(task.remote(argv, str(log_path) if log_path else None))
+            logs.append(log_path)
         statuses = []
-        for (trial, _), ref in zip(runs, refs):
+        for (trial, _), ref, log_path in zip(runs, refs, logs):
             try:
                 code = ray.get(ref)
                 statuses.append("ok" if code == 0 else f"failed ({code})")
             except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
                 statuses.append(f"failed ({type(exc).__name__})")
-            print(f"{trial}: {statuses[-1]}", flush=True)
+            print(f"{trial}: {statuses[-1]}" + (f" (log: {log_path})" if log_path else ""), flush=True)
         return statuses
     finally:
         if started:
             ray.shutdown()
 
 
-def _cli_in_task(argv: list[str]) -> int:
+def _cli_in_task(argv: list[str], log_path: Optional[str] = None) -> int:
+    import os
+    import sys
+
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        out = open(log_path, "a", buffering=1)
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
     from stalerl.cli import main
 
     return main(argv)

@@ -118,4 +118,7 @@ def test_sweep_2x2_runs_concurrently_on_ray(tmp_path):
         assert trial in summary
         rows = read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / trial)
         assert [r["step"] for r in rows] == [0, 1, 2, 3]
+        # each run's console in its own file, not interleaved with Ray prefixes on the driver's
+        assert "== run finished" in (tmp_path / "runs" / "gsm8k-m2po-cpu" / trial / "logs" / "console.log").read_text()
     assert summary.count("| ok |") == 4
+    assert "pid=" not in res.stdout + res.stderr
