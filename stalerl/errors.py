@@ -12,3 +12,8 @@ EXIT_USER_ERROR = 2  # the exit code of argparse and most Unix tools for a usage
 
 class UserError(Exception):
     """A config, data, model, resource or trial-directory problem the user can fix; the message says how."""
+
+
+class NotAvailableError(UserError, NotImplementedError):
+    """A configured feature this version does not have (e.g. an engine): a user error that is also a
+    NotImplementedError for callers that catch that."""

@@ -33,8 +33,13 @@ def path_problems(cfg: Any) -> list[str]:
     """Model, tokenizer and dataset paths that do not exist (nothing is downloaded at run time)."""
     out = []
     for key, path in (("actor.path", cfg.actor.path), ("tokenizer_path", cfg.tokenizer_path)):
-        if path and not path.startswith("tiny:") and not os.path.exists(os.path.expanduser(path)):
+        if not path or path.startswith("tiny:"):
+            continue
+        local = os.path.expanduser(path)
+        if not os.path.exists(local):
             out.append(f"{key}={path!r} does not exist (a local Hugging Face model directory, or tiny:qwen2)")
+        elif key == "actor.path" and os.path.isdir(local) and not os.path.isfile(os.path.join(local, "config.json")):
+            out.append(f"{key}={path!r} has no config.json (not a Hugging Face model directory)")
     for key in ("train_dataset", "valid_dataset"):
         path = getattr(cfg, key).path
         if _is_synthetic(path) or os.path.exists(os.path.expanduser(path)):

@@ -19,7 +19,7 @@ from stalerl.actor import Actor
 from stalerl.advantage import grpo_advantages, shaped_rewards
 from stalerl.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
-from stalerl.errors import UserError
+from stalerl.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
 from stalerl.metrics_log import MetricsLogger, Progress, format_summary
 from stalerl.model import PromptFormatter, load_policy_from_config, resolve_device
@@ -63,7 +63,7 @@ class Trainer:
         self.log = log
         engine = cfg.rollout.backend.split(":", 1)[0]
         if engine != "hf":
-            raise NotImplementedError(
+            raise NotAvailableError(
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
                 "version; use rollout.backend=hf:dX (transformers generate, CPU or GPU)")
         torch.set_num_threads(cfg.torch_threads)
@@ -114,7 +114,7 @@ class Trainer:
                 if len(self.tokenizer(self.formatter.format(e.question), add_special_tokens=False)["input_ids"])
                 <= ds.max_length]
         if not kept:
-            raise ValueError(f"{key}.max_length={ds.max_length} drops every example of {ds.path!r}; raise it")
+            raise UserError(f"{key}.max_length={ds.max_length} drops every example of {ds.path!r}; raise it")
         return kept
 
     def generate_batch(self) -> RolloutBatch:

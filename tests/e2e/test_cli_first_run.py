@@ -65,6 +65,7 @@ def test_help_is_fast_and_mentions_debug():
     (["--config", "gsm8k_m2po_cpu.yaml", "actor.path=/nonexistent/model"], "actor.path="),
     (["--config", "gsm8k_m2po_cpu.yaml", "actor.loss=m2po,vanila"], "vanila"),
     (["--config", "gsm8k_m2po_cpu.yaml", "scheduler.type=local,ray"], "scheduler.type cannot be swept"),
+    (["--config", "gsm8k_m2po_cpu.yaml", "rollout.backend=vllm:d1", "warm_start.steps=1"], "rollout.backend"),
     (["--config", "gsm8k_m2po_cpu.yaml", "train_dataset.path=synthetic,/nonexistent/g.jsonl"], "/nonexistent/g.jsonl"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, needle):

@@ -205,3 +205,9 @@ def test_resume_without_a_checkpoint_is_refused_before_launch(tmp_path):
     cfg = _cfg(tmp_path, "recover.mode=resume")
     with pytest.raises(UserError, match="recover.mode=resume but trial .* has no checkpoint"):
         check_trial_dir(cfg, tmp_path / cfg.experiment_name / cfg.trial_name, log=lambda *_: None)
+
+
+def test_a_model_directory_without_config_json_is_named(tmp_path):
+    (tmp_path / "model").mkdir()
+    cfg = _cfg(tmp_path, f"actor.path={tmp_path / 'model'}")
+    assert any("has no config.json" in p for p in path_problems(cfg))
