@@ -13,8 +13,9 @@ import torch
 
 from recipe.registry import LOSS_AGG_MODES  # noqa: E402 - defined torch-free there for config validation
 
-# exp() of a log-ratio beyond this is clamped in the forward pass with a straight-through gradient (verl clamps the
-# forward value too, but its torch.clamp zeroes the gradient beyond the bound; the two differ only for |d| > 20).
+# The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp(), as verl does, with torch.clamp's gradient: a token with
+# |d| > 20 (r > 4.8e8 or < 2.1e-9) contributes nothing to the gradient. Such a token is far outside any trust region;
+# passing the gradient straight through would give it a weight of |A| e^20 and let one token dominate the update.
 LOG_RATIO_CLAMP = 20.0
 
 _MISSING = object()
@@ -166,9 +167,10 @@ def check_inputs(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, 
     return valid
 
 
-def straight_through_clamp(x: torch.Tensor, bound: float = LOG_RATIO_CLAMP) -> torch.Tensor:
-    """Forward value clamp(x, -bound, bound); gradient of the identity."""
-    return x + (x.clamp(-bound, bound) - x).detach()
+def clamp_log_ratio(x: torch.Tensor, bound: float = LOG_RATIO_CLAMP) -> torch.Tensor:
+    """clamp(x, -bound, bound) with torch.clamp's gradient: 1 inside [-bound, bound] (bounds included), 0 beyond
+    (verl's choice; see LOG_RATIO_CLAMP)."""
+    return x.clamp(-bound, bound)
 
 
 def masked_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,41 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
+from stalerl.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
+
+# Elements of a (rows, tokens, vocab) logits block turned into log-probs at once: bounds the float32 temporaries of
+# the no-grad passes (behaviour recompute, M2PO's selection pass) to ~64 MB whatever the micro-batch size.
+_LOGP_CHUNK_ELEMENTS = 1 << 24
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[ids] in float32, shape ``ids.shape``, without materialising the full
+    (N, T, V) log_softmax: ``logit[id] - logsumexp(logits)``, over row chunks.
+
+    Under autograd the chunks still save their inputs for the backward pass (the softmax gradient needs them); in
+    no-grad passes only one chunk's temporaries exist at a time."""
+    n, t, v = logits.shape
+    rows = max(1, _LOGP_CHUNK_ELEMENTS // max(1, t * v))
+    parts = []
+    for start in range(0, n, rows):
+        x = logits[start:start + rows].float()
+        if temperature != 1.0:
+            x = x / temperature
+        picked = x.gather(-1, ids[start:start + rows].unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(x, dim=-1))
+    if not parts:
+        return logits.new_zeros(ids.shape, dtype=torch.float32)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -70,10 +104,44 @@ def loss_config(actor_cfg: Any) -> dict[str, Any]:
     }
 
 
+def combine_micro_batch_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """One value per key from the loss metrics of a mini-batch's micro-batches, ``parts = [(valid tokens,
+    metrics)]``, exact for the conventions of the registered losses: keys ending in ``_max`` take the max, counts
+    (``num_`` keys) the sum, everything else is a per-token mean of its micro-batch and is weighted by the
+    micro-batch's valid-token count (a plain mean would over-weight a short micro-batch). With no valid tokens at
+    all, plain means."""
+    keys = sorted(set().union(*(m for _, m in parts))) if parts else []
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [(w, m[k]) for w, m in parts if k in m]
+        leaf = k.rsplit("/", 1)[-1]
+        if leaf.endswith("_max"):
+            out[k] = max(v for _, v in vals)
+        elif leaf.startswith("num_"):
+            out[k] = sum(v for _, v in vals)
+        elif sum(w for w, _ in vals) > 0:
+            out[k] = sum(w * v for w, v in vals) / sum(w for w, _ in vals)
+        else:
+            out[k] = sum(v for _, v in vals) / len(vals)
+    return out
+
+
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
                  dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None):
         self.model = model
+        # Mixed precision: fp32 master parameters stepped by the optimizer, forward/backward under autocast.
+        low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        if low:
+            raise ValueError(
+                f"the actor trains float32 master parameters, but {len(low)} parameter(s) are "
+                f"{dict(model.named_parameters())[low[0]].dtype} (first: {low[0]}). Load the model in float32 and "
+                "set actor.dtype=bfloat16 for bf16 compute (stalerl.model.load_policy_from_config does this)")
+        self.compute_dtype = parse_dtype(getattr(actor_cfg, "dtype", "float32"))
+        # Dropout off: the behaviour pass runs in eval mode, so the training forward must be dropout-free too for an
+        # on-policy log-ratio of exactly 0 and an update that does not depend on the micro-batch split.
+        disable_dropout(model)
+        self._logits_to_keep = _accepts_logits_to_keep(model)
         # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
         # micro-batch's padded width, which would make the update depend on the split.
         self.loss_scale_factor = loss_scale_factor
@@ -90,14 +158,19 @@ class Actor:
     def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
         input_ids = mb.input_ids().to(self.device)
         attn = mb.attention_mask().to(self.device)
-        out = self.model(input_ids=input_ids, attention_mask=attn.long(), position_ids=position_ids_from_mask(attn),
-                         use_cache=False)
         p = mb.prompt_ids.shape[1]
         r = mb.response_ids.shape[1]
-        # logits at position t predict token t+1: the response tokens are predicted from columns p-1 .. p+r-2.
-        logits = out.logits[:, p - 1:p + r - 1].float() / self.temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, mb.response_ids.to(self.device).unsqueeze(-1)).squeeze(-1)
+        kwargs = {}
+        if self._logits_to_keep:
+            # Only the last r+1 positions: the prompt's logits (rows x prompt x vocab) are never computed.
+            kwargs["logits_to_keep"] = r + 1
+        with autocast_context(self.device, self.compute_dtype):
+            out = self.model(input_ids=input_ids, attention_mask=attn.long(),
+                             position_ids=position_ids_from_mask(attn), use_cache=False, **kwargs)
+        # logits at position t predict token t+1: the response tokens are predicted from columns p-1 .. p+r-2
+        # (the first r of the r+1 kept columns).
+        logits = out.logits[:, :r] if self._logits_to_keep else out.logits[:, p - 1:p + r - 1]
+        return token_logprobs(logits, mb.response_ids.to(self.device), self.temperature)
 
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         """Consecutive rows packed while rows x padded width stays within max_tokens_per_mb (at least one row)."""
@@ -186,7 +259,7 @@ class Actor:
             extra_full = selected
 
         loss_sum = 0.0
-        metric_sums: dict[str, float] = {}
+        metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch
         sq_sum, n_tokens, max_abs = 0.0, 0.0, 0.0  # M2 over all valid tokens, for comparisons across losses
         for rows in micro:
             mb = mini.select(rows)
@@ -199,8 +272,7 @@ class Actor:
                 rollout_is_weights=None, **kwargs)
             loss.backward()
             loss_sum += float(loss.detach())
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+            metric_parts.append((float(mb.response_mask.sum()), {k: float(v) for k, v in metrics.items()}))
             with torch.no_grad():
                 d = torch.where(mb.response_mask, lp.detach().cpu() - mb.behavior_logp, torch.zeros(()))
                 sq_sum += float((d * d).sum())
@@ -214,15 +286,19 @@ class Actor:
                 p.grad.div_(self.dp.size)
             loss_t = self._all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))
             loss_sum = float(loss_t[0]) / self.dp.size
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
+        # gradient_clipping=0 means no clipping (clip_grad_norm_(max_norm=0) would zero every gradient); the norm is
+        # still measured (max_norm=inf scales by 1) for the log.
+        clip = float(self.cfg.optimizer.gradient_clipping)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        lr_used = float(self.optimizer.param_groups[0]["lr"])  # this step's rate; scheduler.step() sets the next
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {f"actor/{k}": v / max(1, len(micro)) for k, v in metric_sums.items()}
+        out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
         out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
         out["actor/loss"] = loss_sum
         out["actor/grad_norm"] = float(grad_norm)
-        out["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
+        out["actor/lr"] = lr_used
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
         out["actor/num_micro_batches"] = float(len(micro))

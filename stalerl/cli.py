@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from stalerl.config import ConfigError, format_help, load_config, parse_args, run_dir
+from stalerl.config import ConfigError, ExperimentConfig, format_help, is_async, load_config, parse_args, run_dir
 from stalerl.config_lookup import resolve_config_path
 from stalerl.errors import EXIT_USER_ERROR, UserError
 from stalerl.launch_env import LAUNCH_TIME_ENV
@@ -129,8 +129,6 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
     if kind == "local":
         statuses = _run_local(config_path, runs, debug=debug)
     else:
-        from stalerl.launcher import run_sweep_on
-
         statuses = run_sweep_on(kind, config_path, runs, configs)
     rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
     out = write_summary(rows, run_dir(base).parent)
@@ -151,6 +149,83 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
         print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
         statuses.append(status)
     return statuses
+
+
+# Sweeps under a cluster scheduler. They live here, not in stalerl.launcher, because a Ray sweep runs this
+# CLI inside each task: the imports go one way only, cli -> launcher.
+def run_sweep_on(kind: str, config_path, runs, configs) -> list[str]:
+    """Run the sweep's runs under a cluster scheduler; returns one status per run."""
+    if kind == "ray":
+        return _run_sweep_on_ray(config_path, runs, configs)
+    if kind == "slurm":
+        from stalerl.schedulers.slurm import run_sweep
+
+        return run_sweep(config_path, runs, configs)
+    raise ValueError(f"unknown scheduler.type {kind!r}")
+
+
+def run_cpus(cfg: ExperimentConfig) -> float:
+    """CPUs one run occupies: torch_threads per process (the controller plus its worker processes)."""
+    from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+
+    processes = 1
+    if is_async(cfg):
+        processes = (parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
+                     + parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp)
+    return float(cfg.torch_threads * processes)
+
+
+def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
+    """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
+    its task a run uses the local scheduler for its own worker processes. A run that could never fit is refused
+    before any is submitted. On a local cluster each run's console goes to ``<run_dir>/logs/console.log`` (runs
+    proceed at once, so their lines would interleave); the driver prints one status line per run."""
+    from stalerl.preflight import check_ray_fit, ray_is_this_machine
+    from stalerl.workers.hosting import import_ray, init_ray, worker_resources
+
+    ray = import_ray()
+    to_files = ray_is_this_machine(configs[0])
+    started = init_ray(configs[0].scheduler.ray_address, log_to_driver=not to_files)
+    try:
+        have = ray.cluster_resources()
+        asks = []
+        for (trial, _), cfg in zip(runs, configs):
+            ask = {"CPU": run_cpus(cfg), "GPU": worker_resources(cfg).gpus}
+            check_ray_fit(ask, have, f"sweep run {trial}", "lower torch_threads or the backends' sizes")
+            asks.append(ask)
+        refs, logs = [], []
+        for (trial, overrides), cfg, ask in zip(runs, configs, asks):
+            argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
+            log_path = run_dir(cfg) / "logs" / "console.log" if to_files else None
+            task = ray.remote(max_calls=1)(_cli_in_task).options(num_cpus=ask["CPU"], num_gpus=ask["GPU"],
+                                                                 max_retries=0)
+            refs.append(task.remote(argv, str(log_path) if log_path else None))
+            logs.append(log_path)
+        statuses = []
+        for (trial, _), ref, log_path in zip(runs, refs, logs):
+            try:
+                code = ray.get(ref)
+                statuses.append("ok" if code == 0 else f"failed ({code})")
+            except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
+                statuses.append(f"failed ({type(exc).__name__})")
+            print(f"{trial}: {statuses[-1]}" + (f" (log: {log_path})" if log_path else ""), flush=True)
+        return statuses
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _cli_in_task(argv: list[str], log_path: Optional[str] = None) -> int:
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        out = open(log_path, "a", buffering=1)
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
+    # by name: under `python -m stalerl.cli` this module is __main__, whose functions Ray would pickle by value
+    from stalerl.cli import main
+
+    return main(argv)
 
 
 if __name__ == "__main__":

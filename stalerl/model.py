@@ -13,6 +13,7 @@ Notes for transformers 5.x (see docs ``cpu-tiny-model.md``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,9 @@ __all__ = [
     "PolicyLoadError",
     "PromptFormatter",
     "build_char_tokenizer",
+    "autocast_context",
     "build_tiny_model",
+    "disable_dropout",
     "is_char_tokenizer",
     "load_policy",
     "load_policy_from_config",
@@ -195,6 +198,35 @@ def parse_dtype(dtype: Any) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"actor.dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
     return _DTYPES[key]
+
+
+def autocast_context(device: torch.device, compute_dtype: Any):
+    """The context every forward of the policy runs in: ``torch.autocast(compute_dtype)`` for a lower-precision
+    compute dtype (parameters stay float32, matmuls run in bf16), nothing for float32.
+
+    The same context for generation, behaviour/recompute log-probs and the training forward, so the three see the
+    same numerics and an on-policy log-ratio is exactly 0 where the computation is the same."""
+    dtype = parse_dtype(compute_dtype)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch every dropout of ``model`` off, in place (as verl and TRL do for RL training).
+
+    Behaviour log-probs come from an eval-mode (dropout-free) pass; a training forward with dropout would make the
+    on-policy log-ratio nonzero and the update depend on the micro-batch split (the dropout masks follow the RNG).
+    Covers ``nn.Dropout`` modules and float attributes named ``*dropout`` that HF attention modules read in train
+    mode (e.g. ``Qwen2Attention.attention_dropout``). ``model.config`` is left alone, so a saved model keeps its
+    dropout settings for whoever fine-tunes it next."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -364,11 +396,16 @@ class PromptFormatter:
 
 def load_policy_from_config(cfg: Any):
     """``load_policy`` with the run config's actor section (the controller, train ranks and rollout workers all
-    build the same policy this way, so their initial weights are identical)."""
+    build the same policy this way, so their initial weights are identical).
+
+    The parameters are always float32 (master weights: a bf16 parameter does not move under lr ~1e-6 AdamW
+    updates); ``actor.dtype`` is the compute dtype, applied with :func:`autocast_context` by the actor and the
+    rollout engine. Dropout is switched off (:func:`disable_dropout`)."""
     actor = cfg.actor
     tiny = {k: getattr(actor.tiny, k) for k in actor.tiny.__dataclass_fields__}
-    model, tokenizer = load_policy(actor.path, tiny_kwargs=tiny, dtype=actor.dtype,
+    model, tokenizer = load_policy(actor.path, tiny_kwargs=tiny, dtype="float32",
                                    device=str(resolve_device(actor.device)), seed=cfg.seed)
+    disable_dropout(model)
     if actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model, tokenizer

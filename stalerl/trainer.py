@@ -90,7 +90,7 @@ class Trainer:
                            total_updates=self.total_steps * cfg.actor.ppo_n_minibatches,
                            loss_scale_factor=cfg.gconfig.max_new_tokens)
         self.engine = HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
-                                      device=self.device)
+                                      device=self.device, compute_dtype=cfg.actor.dtype)
         self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)
         self.step = 0  # optimizer steps taken = the trainer's weight version
         self.tasks_generated = 0  # prompt groups generated so far; seeds each generate call (see generation_seed)

@@ -39,7 +39,7 @@ def small_overrides(tmp_path: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def sigkill_after_checkpoint(cmd: list[str], run_dir: Path, step: int, timeout: float = 300.0) -> int:
+def _sigkill_after_checkpoint(cmd: list[str], run_dir: Path, step: int, timeout: float = 300.0) -> int:
     """Start ``cmd``, SIGKILL it as soon as the checkpoint of ``step`` exists under ``run_dir``; returns its code."""
     import signal
     import subprocess
@@ -54,6 +54,12 @@ def sigkill_after_checkpoint(cmd: list[str], run_dir: Path, step: int, timeout: 
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     return proc.wait()
+
+
+@pytest.fixture
+def sigkill_after_checkpoint():
+    """``sigkill_after_checkpoint(cmd, run_dir, step, timeout=300.0) -> returncode`` (see the function above)."""
+    return _sigkill_after_checkpoint
 
 
 @pytest.fixture

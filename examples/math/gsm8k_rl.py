@@ -8,7 +8,7 @@ finished trial is extended by a larger ``total_train_steps``; the run ends with 
 
 Every config field can be overridden with a dotted ``key=value`` (``--help`` lists them all with their meaning);
 ``key=a,b,c`` runs a sweep over the values. What runs, top to bottom (see stalerl/trainer.py):
-  1. load and validate the config (stalerl/config.py); build data, tokenizer and policy;
+  1. load and validate the config (stalerl/config/); build data, tokenizer and policy;
   2. optional supervised warm start (the embedded tiny model starts from random weights);
   3. loop: generate n samples per prompt (stale FIFO or asynchronous workers under max_head_offpolicyness),
      reward, GRPO advantages, the registered policy loss (recipe/), optimizer step, weight sync;

@@ -1,8 +1,8 @@
 """Baseline policy losses for stale-rollout comparisons. Pure torch.
 
 - ``vanilla``: PPO's clipped surrogate, max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), with optional dual clip
-  (for A < 0 the loss is capped at -A c), as verl's ``vanilla`` and the paper's GRPO baseline (one difference: the
-  +-20 clamp of the log-ratio passes the gradient straight through, where verl's zeroes it beyond the bound).
+  (for A < 0 the loss is capped at -A c), as verl's ``vanilla`` and the paper's GRPO baseline; the log-ratio is
+  clamped to +-20 before exp() as in verl (zero gradient beyond the bound, see ``recipe.common.LOG_RATIO_CLAMP``).
 - ``no_trust_region``: the same unclipped importance-weighted objective as M2PO, -A r averaged over all valid tokens,
   with nothing masked (the paper's "GRPO no TR").
 
@@ -24,7 +24,7 @@ from recipe.common import (
     global_batch_info,
     masked_log_ratio,
     read_float,
-    straight_through_clamp,
+    clamp_log_ratio,
 )
 
 VANILLA_METRIC_KEYS = ("vanilla/clip_fraction", "vanilla/dual_clip_fraction", "vanilla/ppo_kl")
@@ -60,7 +60,7 @@ def compute_policy_loss_vanilla(
     valid = check_inputs("vanilla", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     d = masked_log_ratio(old_log_prob, log_prob, valid)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    ratio = torch.exp(straight_through_clamp(d))
+    ratio = torch.exp(clamp_log_ratio(d))
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
@@ -94,7 +94,7 @@ def compute_policy_loss_no_trust_region(
     valid = check_inputs("no_trust_region", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     d = masked_log_ratio(old_log_prob, log_prob, valid)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    ratio = torch.exp(straight_through_clamp(d))
+    ratio = torch.exp(clamp_log_ratio(d))
     per_token = -adv * ratio
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))

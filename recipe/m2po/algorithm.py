@@ -8,8 +8,9 @@ Pure torch. With d = log(pi_theta / pi_behaviour) per token and A the advantage:
    from T. Only tokens of T are ever masked. Among equal d^2 the later token (row-major over the batch, ranks in
    order) is masked first, so the result is deterministic.
 3. Objective: loss = -sum_valid(keep * A * r) / (number of ALL valid tokens); no epsilon-clip. The mask is a
-   constant (no gradient). The forward value of d is clamped to +-20 with a straight-through gradient; the
-   selection uses the unclamped d.
+   constant (no gradient). d is clamped to +-20 before exp() as in verl, gradient included: a kept token with
+   |d| > 20 contributes zero gradient (it is far outside any trust region, and a straight-through gradient would
+   weigh it by |A| e^20). The selection uses the unclamped d.
 
 Fast selection. A token with d^2 <= tau can never be masked: the prefix means of the ascending d^2 of T never
 decrease, and a prefix ending at a value <= tau has mean <= tau. So only the "high" tokens (d^2 > tau) are sorted,
@@ -38,7 +39,7 @@ from recipe.common import (
     global_batch_info,
     masked_log_ratio,
     read_float,
-    straight_through_clamp,
+    clamp_log_ratio,
 )
 
 DEFAULT_M2_THRESHOLD = 0.04
@@ -348,7 +349,7 @@ def compute_policy_loss_m2po(
         selection = selection_from_mask(d, advantages, valid, keep_mask, tau)
     keep = selection.keep_mask & valid
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    ratio = torch.exp(straight_through_clamp(d))
+    ratio = torch.exp(clamp_log_ratio(d))
     per_token = torch.where(keep, -adv * ratio, torch.zeros_like(ratio))
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))

@@ -2,6 +2,10 @@
 
 Every engine returns, per response token, the behaviour log-prob under the distribution it actually sampled from
 (temperature applied; top-k/top-p truncation included when enabled) and the weight version that produced it.
+
+Memory. Only the sampled token's log-prob is kept per step (:class:`SampledLogProbRecorder`), never the
+(rows x steps x vocab) stack of scores: with a 151,936-token vocabulary, 512 rows x 256 steps of float32 scores
+would be ~80 GB.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from stalerl.model import autocast_context
 from stalerl.rollout.batch import RolloutBatch
 
 RewardFn = Callable[[str, str], float]
@@ -32,6 +38,52 @@ def generation_seed(run_seed: int, first_task_id: int) -> int:
     return (run_seed * 1_000_003 + first_task_id) % (2**63 - 1)
 
 
+class SampledLogProbRecorder(LogitsProcessor):
+    """Applies the sampling warpers (temperature, then top-k, then top-p: transformers' own classes in its order) and
+    records the log-prob of each sampled token under the processed distribution, one (rows,) column per step.
+
+    The warpers live here rather than in ``generate``'s own list because transformers runs user processors *before*
+    its warpers; with ``temperature=1, top_k=0, top_p=1`` in the ``GenerationConfig`` it adds none, so this is the
+    last processor and its output is exactly what ``torch.multinomial`` draws from. The token sampled from step t's
+    scores is only known at step t+1 (the last column of ``input_ids``), so one step's scores are held until then:
+    memory is one (rows x vocab) block plus (rows x steps) floats. Call :meth:`finish` with the final sequences."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        self.warpers = LogitsProcessorList()
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+        self.columns: list[torch.Tensor] = []
+        self._pending: Optional[torch.Tensor] = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = self.warpers(input_ids, scores)
+        if self._pending is not None:
+            self._record(input_ids[:, -1])
+        self._pending = scores
+        return scores
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        pending = self._pending
+        picked = pending.gather(-1, tokens.unsqueeze(-1).to(pending.device)).squeeze(-1)
+        self.columns.append(picked.float() - torch.logsumexp(pending.float(), dim=-1))
+        self._pending = None
+
+    def finish(self, sequences: torch.Tensor, num_generated: int) -> torch.Tensor:
+        """(rows, num_generated) float32 log-probs of the generated tokens (the last ``num_generated`` columns)."""
+        if self._pending is not None:
+            self._record(sequences[:, -1])
+        if len(self.columns) != num_generated:
+            raise RuntimeError(f"recorded {len(self.columns)} behaviour log-prob steps for {num_generated} generated "
+                               "tokens; a logits processor ran out of step with generate()")
+        if not self.columns:
+            return torch.zeros((sequences.shape[0], 0), dtype=torch.float32, device=sequences.device)
+        return torch.stack(self.columns, dim=1)
+
+
 class HFRolloutEngine:
     """transformers ``generate`` on a causal LM (the trainer's own module when they share a process).
 
@@ -40,8 +92,10 @@ class HFRolloutEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
-                 *, device: Optional[torch.device] = None, version: int = 0):
+                 *, device: Optional[torch.device] = None, version: int = 0, compute_dtype: str = "float32"):
         self.model = model
+        # actor.dtype: generation runs under the same autocast as the actor's forward (parameters stay float32).
+        self.compute_dtype = compute_dtype
         self.tokenizer = tokenizer
         self.format_prompt = format_prompt
         self.reward_fn = reward_fn
@@ -85,25 +139,28 @@ class HFRolloutEngine:
         gen = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
                                bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
                                return_dict_in_generate=True, repetition_penalty=1.0, num_beams=1)
+        processors = LogitsProcessorList()
+        recorder = None
         if greedy:
             gen.do_sample = False
         else:
             gen.do_sample = True
-            gen.temperature, gen.top_p, gen.top_k = temperature, top_p, top_k
-            gen.output_scores = True
-        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen)
+            # The warpers run inside the recorder (see SampledLogProbRecorder); generate adds none of its own.
+            gen.temperature, gen.top_p, gen.top_k = 1.0, 1.0, 0
+            recorder = SampledLogProbRecorder(temperature=temperature, top_k=top_k, top_p=top_p)
+            processors.append(recorder)
+        with autocast_context(self.device, self.compute_dtype):
+            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen,
+                                      logits_processor=processors)
         if was_training:
             self.model.train()
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
         response_mask = _mask_through_first_eos(response_ids, self.eos_id)
         response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
-        if greedy:
+        if recorder is None:
             behavior_logp = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
         else:
-            # scores are the processed logits the sampler drew from (temperature, top-p/top-k applied).
-            scores = torch.stack(out.scores, dim=1).float()
-            logp = torch.log_softmax(scores, dim=-1)
-            behavior_logp = logp.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+            behavior_logp = recorder.finish(out.sequences, response_ids.shape[1])
             behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
         texts = self.tokenizer.batch_decode(
             [ids[m].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())], skip_special_tokens=True)

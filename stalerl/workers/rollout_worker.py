@@ -39,7 +39,7 @@ class RolloutWorker:
         self.index = index
         model, tokenizer = load_policy_from_config(cfg)
         self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
-                                      version=-1)
+                                      version=-1, compute_dtype=cfg.actor.dtype)
         # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
         # weights live (the trainer has moved on by the time it consumes the batch).
         self.recompute = None

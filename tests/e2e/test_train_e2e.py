@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_CONFIG, REPO, sigkill_after_checkpoint, small_overrides
+from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.config import load_config
 from stalerl.metrics_log import read_metrics
 
@@ -63,7 +63,7 @@ def test_short_run_logs_every_step_with_staleness_ramp(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_logs_the_same_metrics(tmp_path):
+def test_sigkill_and_resume_logs_the_same_metrics(tmp_path, sigkill_after_checkpoint):
     common = small_overrides(tmp_path, **{
         "total_train_steps": 8, "recover.mode": "auto", "recover.freq_steps": 2, "rollout.fixed_staleness": 1,
         "evaluator.freq_steps": 4})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_CONFIG, REPO, sigkill_after_checkpoint, small_overrides
+from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
@@ -113,7 +113,7 @@ def test_worker_exception_fails_the_run_with_traceback(tmp_path):
     assert "Traceback" in res.stderr
 
 
-def test_resume_after_sigkill_keeps_the_bound(tmp_path):
+def test_resume_after_sigkill_keeps_the_bound(tmp_path, sigkill_after_checkpoint):
     extra = {"rollout.max_head_offpolicyness": 2, "total_train_steps": 10, "recover.mode": "auto",
              "recover.freq_steps": 2}
     cmd = _cmd(tmp_path, "resume", **extra)

@@ -86,7 +86,12 @@ def reference_m2po(d_rows: Sequence[Sequence[float]], a_rows: Sequence[Sequence[
 
 def reference_loss(lp: Sequence[float], old: Sequence[float], adv: Sequence[float], keep: Sequence[bool],
                    valid: Sequence[bool]) -> float:
-    """loss = -sum_i keep_i * A_i * exp(lp_i - old_i) / N_valid over flat lists (0 when nothing is valid)."""
+    """loss = -sum_i keep_i * A_i * exp(clamp(lp_i - old_i, -20, 20)) / N_valid over flat lists (0 when nothing
+    is valid)."""
     n_valid = sum(1 for v in valid if v)
-    total = math.fsum(-adv[i] * math.exp(lp[i] - old[i]) for i in range(len(lp)) if valid[i] and keep[i])
+
+    def ratio(d: float) -> float:
+        return math.exp(max(-20.0, min(20.0, d)))
+
+    total = math.fsum(-adv[i] * ratio(lp[i] - old[i]) for i in range(len(lp)) if valid[i] and keep[i])
     return total / max(n_valid, 1)

@@ -213,14 +213,26 @@ def test_no_trust_region_equals_literal_formula():
     assert metrics["no_trust_region/ppo_kl"] == pytest.approx((old - lp)[mask].mean().item(), rel=1e-5)
 
 
-def test_no_trust_region_huge_log_ratio_straight_through():
-    lp = torch.tensor([[30.0, -30.0]], requires_grad=True)
+def test_no_trust_region_huge_log_ratio_zero_gradient():
+    lp = torch.tensor([[30.0, -30.0, 0.5]], requires_grad=True)
     old = torch.zeros_like(lp)
-    adv = torch.tensor([[1.0, 1.0]])
-    loss, _ = compute_policy_loss_no_trust_region(old, lp, adv, torch.ones(1, 2, dtype=torch.bool))
-    assert loss.item() == pytest.approx(-(math.exp(20) + math.exp(-20)) / 2, rel=1e-5)
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    loss, _ = compute_policy_loss_no_trust_region(old, lp, adv, torch.ones(1, 3, dtype=torch.bool))
+    assert loss.item() == pytest.approx(-(math.exp(20) + math.exp(-20) + math.exp(0.5)) / 3, rel=1e-5)
     loss.backward()
-    assert lp.grad[0, 0].item() == pytest.approx(-math.exp(20) / 2, rel=1e-5)
+    assert lp.grad[0, :2].tolist() == [0.0, 0.0]
+    assert lp.grad[0, 2].item() == pytest.approx(-math.exp(0.5) / 3, rel=1e-6)
+
+
+def test_vanilla_huge_log_ratio_zero_gradient():
+    # A < 0 with d = 30: the unclipped branch (-A r, r clamped at e^20) wins the max; its gradient is 0, not e^20
+    lp = torch.tensor([[30.0, 0.05]], requires_grad=True)
+    loss, _ = compute_policy_loss_vanilla(torch.zeros_like(lp), lp, torch.tensor([[-1.0, 1.0]]),
+                                          torch.ones(1, 2, dtype=torch.bool))
+    loss.backward()
+    assert torch.isfinite(lp.grad).all()
+    assert lp.grad[0, 0].item() == 0.0
+    assert lp.grad[0, 1].item() == pytest.approx(-math.exp(0.05) / 2, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""recipe.common: config readers, verl-exact loss aggregation, input guards, the straight-through clamp."""
+"""recipe.common: config readers, verl-exact loss aggregation, input guards, the log-ratio clamp."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from recipe.common import (
     cfg_get,
     cfg_lookup,
     check_inputs,
+    clamp_log_ratio,
     global_batch_info,
     masked_log_ratio,
     read_float,
-    straight_through_clamp,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_agg_loss_float_mask_accepted():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# check_inputs / straight_through_clamp / masked_log_ratio
+# check_inputs / clamp_log_ratio / masked_log_ratio
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -416,16 +416,17 @@ def test_check_inputs_empty():
     assert check_inputs("x", z, z, z, torch.zeros(0, 3, dtype=torch.bool)).numel() == 0
 
 
-def test_straight_through_clamp_forward_and_gradient():
+def test_clamp_log_ratio_forward_and_gradient_zero_beyond_bound():
     x = torch.tensor([-50.0, -20.0, -3.0, 0.0, 19.5, 20.0, 1e4], requires_grad=True)
-    y = straight_through_clamp(x)
+    y = clamp_log_ratio(x)
     assert y.tolist() == [-20.0, -20.0, -3.0, 0.0, 19.5, 20.0, 20.0]
     y.sum().backward()
-    assert x.grad.tolist() == [1.0] * 7
+    # verl's torch.clamp: gradient 1 inside the bounds (bounds included), 0 beyond them
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert LOG_RATIO_CLAMP == 20.0
-    x2 = torch.tensor([5.0], requires_grad=True)
-    straight_through_clamp(x2, 2.0).backward(torch.tensor([3.0]))
-    assert x2.grad.item() == 3.0
+    x2 = torch.tensor([5.0, 1.0], requires_grad=True)
+    clamp_log_ratio(x2, 2.0).backward(torch.tensor([3.0, 3.0]))
+    assert x2.grad.tolist() == [0.0, 3.0]
 
 
 def test_masked_log_ratio():

@@ -366,22 +366,32 @@ def test_nan_only_on_padding_does_not_raise():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Huge log-ratios: forward clamp +-20 with straight-through gradient; selection uses the unclamped d
+# Huge log-ratios: d clamped to +-20 before exp (zero gradient beyond, as verl); selection uses the unclamped d
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_huge_log_ratio_forward_clamped_gradient_straight_through():
-    # both tokens outside T, so neither is masked: A < 0 with d = +30, A > 0 with d = -30
-    lp = row([30.0, -30.0]).requires_grad_()
+def test_huge_log_ratio_forward_clamped_gradient_zero():
+    # both tokens outside T, so neither is masked: A < 0 with d = +30, A > 0 with d = -30; a third, in-range token
+    lp = row([30.0, -30.0, 0.5]).requires_grad_()
     old = torch.zeros_like(lp)
-    adv = row([-1.0, 2.0])
-    loss, _ = m2po_loss(lp, old, adv, ones_mask(lp))
-    expected = (1.0 * math.exp(20.0) - 2.0 * math.exp(-20.0)) / 2
+    adv = row([-1.0, 2.0, 1.0])
+    loss, m = m2po_loss(lp, old, adv, ones_mask(lp), m2_threshold=1e9)
+    assert m["m2po/num_masked_tokens"] == 0.0
+    expected = (1.0 * math.exp(20.0) - 2.0 * math.exp(-20.0) - math.exp(0.5)) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     loss.backward()
-    # gradient of -A*exp(clamp(d)) with d/dd clamp := 1: -A*exp(+-20)/N, not 0
+    # a kept token with |d| > 20 gets exactly zero gradient (not |A| e^20 / N), and nothing is non-finite
+    assert torch.isfinite(lp.grad).all()
+    assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == 0.0
+    assert lp.grad[0, 2].item() == pytest.approx(-math.exp(0.5) / 3, rel=1e-6)
+
+
+def test_log_ratio_at_the_bound_keeps_its_gradient():
+    lp = row([20.0, -20.0]).requires_grad_()
+    loss, _ = m2po_loss(lp, torch.zeros_like(lp), row([-1.0, 1.0]), ones_mask(lp), m2_threshold=1e9)
+    loss.backward()
     assert lp.grad[0, 0].item() == pytest.approx(math.exp(20.0) / 2, rel=1e-5)
-    assert lp.grad[0, 1].item() == pytest.approx(-2.0 * math.exp(-20.0) / 2, rel=1e-5)
+    assert lp.grad[0, 1].item() == pytest.approx(-math.exp(-20.0) / 2, rel=1e-5)
 
 
 def test_selection_uses_unclamped_log_ratio():

@@ -95,3 +95,55 @@ def test_checkpoint_generation_config_does_not_distort_behaviour_logp(tiny_polic
     recomputed = Actor(loaded, cfg.actor, temperature=1.0, total_updates=1).compute_logp(batch)
     m = batch.response_mask
     assert (recomputed - batch.behavior_logp)[m].abs().max().item() < 1e-4
+
+
+def _processed_logp_reference(model, batch, temperature, top_k, top_p):
+    """Behaviour log-probs the slow way: a full forward, transformers' warpers on every position, log_softmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from stalerl.rollout.batch import position_ids_from_mask
+
+    attn = batch.attention_mask()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids(), attention_mask=attn.long(),
+                       position_ids=position_ids_from_mask(attn)).logits.float()
+    p, r = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    cols = []
+    for t in range(r):
+        s = logits[:, p - 1 + t]
+        for w in ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + \
+                 ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []):
+            s = w(None, s)
+        cols.append(torch.log_softmax(s, dim=-1).gather(-1, batch.response_ids[:, t:t + 1]).squeeze(-1))
+    return torch.stack(cols, dim=1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 7, 1.0),
+                                                       (1.0, 0, 0.8), (0.6, 10, 0.9)])
+def test_behaviour_logp_is_the_processed_distribution(tiny_policy, temperature, top_k, top_p):
+    model, tok = tiny_policy
+    torch.manual_seed(6)
+    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=3, max_new_tokens=7, temperature=temperature,
+                                         top_k=top_k, top_p=top_p)
+    m = batch.response_mask
+    ref = _processed_logp_reference(model, batch, temperature, top_k, top_p)
+    assert torch.isfinite(ref[m]).all()  # every sampled token lies inside the truncated support
+    assert (ref - batch.behavior_logp)[m].abs().max().item() < 1e-4
+
+
+def test_generation_keeps_no_per_step_score_stack(tiny_policy, monkeypatch):
+    """O(tokens) memory: generate is never asked for the (rows x steps x vocab) scores."""
+    model, tok = tiny_policy
+    seen = []
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append((kwargs["generation_config"].output_scores, getattr(out, "scores", None)))
+        return out
+
+    monkeypatch.setattr(model, "generate", spy)
+    torch.manual_seed(7)
+    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, temperature=0.9)
+    assert len(seen) == 1 and not seen[0][0] and seen[0][1] is None
+    assert (batch.behavior_logp[batch.response_mask] < 0).all()

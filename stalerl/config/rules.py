@@ -1,0 +1,137 @@
+"""Cross-field rules: ``validate`` (every section, then the rules between keys), ``is_async`` and warnings."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+import warnings
+from typing import Any, List, Tuple
+
+from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+from stalerl.config.checks import _format_problems, _type_hints, _unwrap_optional, _walk_sections
+from stalerl.config.errors import ConfigError, ConfigWarning
+
+if typing.TYPE_CHECKING:  # the schema imports this module (ExperimentConfig.__post_init__ validates)
+    from stalerl.config.schema import ExperimentConfig
+
+
+def _resolve_python_interpolations(cfg: Any) -> None:
+    """Replace ``"${a.b}"`` field values (dataclass defaults) by the referenced values, for direct construction."""
+    for _, section in _walk_sections(cfg):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            m = re.fullmatch(r"\$\{([A-Za-z_][\w.]*)\}", value) if isinstance(value, str) else None
+            if m is None or _unwrap_optional(_type_hints(type(section))[f.name])[0] is str:
+                continue
+            target: Any = cfg
+            try:
+                for part in m.group(1).split("."):
+                    target = getattr(target, part)
+            except AttributeError:
+                continue  # validate() reports the unresolved value
+            setattr(section, f.name, target)
+
+
+def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
+    """Check every section and the cross-field rules; raise one :class:`ConfigError` listing every problem.
+
+    Issues :class:`ConfigWarning` for legal but suspicious settings. Returns ``cfg`` for chaining.
+    """
+    problems: List[Tuple[str, str]] = []
+    for prefix, section in _walk_sections(cfg):
+        problems += section._problems(prefix)
+    if not problems:  # cross-field rules assume every section is well-formed
+        problems = _cross_field_problems(cfg)
+    if problems:
+        raise ConfigError(_format_problems(problems), [k for k, _ in problems])
+    for msg in _cross_field_warnings(cfg):
+        warnings.warn(msg, ConfigWarning, stacklevel=2)
+    return cfg
+
+
+def is_async(cfg: "ExperimentConfig") -> bool:
+    """Whether the run uses separate rollout and train workers (see rollout.mode)."""
+    ro = cfg.rollout
+    if ro.mode != "auto":
+        return ro.mode == "async"
+    if ro.fixed_staleness > 0:
+        return False
+    rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
+    ab = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
+    return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
+
+
+def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
+    out: List[Tuple[str, str]] = []
+    ro, actor = cfg.rollout, cfg.actor
+    if ro.fixed_staleness > 0 and ro.max_head_offpolicyness > 0:
+        out.append(("rollout.fixed_staleness",
+                    f"got {ro.fixed_staleness} together with rollout.max_head_offpolicyness="
+                    f"{ro.max_head_offpolicyness}; these are two different staleness modes (a fixed FIFO lag vs. "
+                    "admission control), pick one. Fix: set rollout.max_head_offpolicyness=0 or "
+                    "rollout.fixed_staleness=0."))
+    if ro.fixed_staleness > 0 and ro.mode == "async":
+        out.append(("rollout.mode",
+                    f"got 'async' with rollout.fixed_staleness={ro.fixed_staleness}; the fixed-staleness FIFO runs "
+                    "in the synchronous loop. Fix: set rollout.mode=sync (or auto), or use "
+                    "rollout.max_head_offpolicyness for asynchronous staleness."))
+    n_mb = actor.ppo_n_minibatches
+    for key, size in (("train_dataset.batch_size", cfg.train_dataset.batch_size),
+                      ("rollout.consumer_batch_size", ro.consumer_batch_size)):
+        if isinstance(size, int) and size % n_mb:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            out.append(("actor.ppo_n_minibatches",
+                        f"got {n_mb}; it must divide {key}={size} (prompts are split evenly into mini-batches). "
+                        f"Fix: set actor.ppo_n_minibatches to one of {divisors[:8]} or change {key}."))
+            break
+    for name in ("reward_norm", "adv_norm"):
+        norm = getattr(actor, name)
+        if norm is not None and "group" in (norm.mean_level, norm.std_level) and cfg.gconfig.n_samples < 2:
+            out.append(("gconfig.n_samples",
+                        f"got {cfg.gconfig.n_samples}; actor.{name} normalises per group, which needs >= 2 "
+                        "completions per prompt (a group of 1 has zero advantage). Fix: set gconfig.n_samples=4, "
+                        f"or actor.{name}.mean_level=batch actor.{name}.std_level=batch."))
+            break
+    if actor.path.startswith("tiny:"):
+        limit = actor.tiny.max_position_embeddings
+        for gkey in ("gconfig", "eval_gconfig"):
+            new = getattr(cfg, gkey).max_new_tokens
+            if new >= limit:
+                out.append((f"{gkey}.max_new_tokens",
+                            f"got {new}; the tiny model holds only actor.tiny.max_position_embeddings={limit} "
+                            "tokens including the prompt. Fix: lower it or raise "
+                            "actor.tiny.max_position_embeddings."))
+    rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
+    ab = parse_backend(actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
+    total = cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
+    if rb.engine in _GPU_ROLLOUT_ENGINES and total == 0:
+        out.append(("rollout.backend",
+                    f"got {ro.backend!r}; {rb.engine} needs GPUs but cluster.n_gpus_per_node=0. Fix: set "
+                    "cluster.n_gpus_per_node=<GPUs per node>, or rollout.backend=hf:d1 for CPU."))
+    elif total > 0:
+        need_rollout = rb.world_size if rb.engine in _GPU_ROLLOUT_ENGINES else 0
+        need_actor = ab.world_size if actor.device != "cpu" else 0
+        if need_rollout + need_actor > total:
+            out.append(("cluster.n_gpus_per_node",
+                        f"rollout.backend={ro.backend!r} ({need_rollout} GPUs) + actor.backend={actor.backend!r} "
+                        f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
+                        f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
+                        "cluster.n_gpus_per_node."))
+    if actor.dtype == "float16":
+        # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
+        out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
+                                   "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
+    return out
+
+
+def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
+    out = []
+    g = cfg.gconfig
+    if g.top_k != 0:
+        out.append(f"gconfig.top_k={g.top_k}: top-k sampling makes the behaviour log-probs differ from the policy's "
+                   "softmax, so importance ratios and M2 are biased. Set gconfig.top_k=0 unless intended.")
+    if g.greedy:
+        out.append("gconfig.greedy=true: every completion of a group is identical, so group-normalised advantages "
+                   "are zero. Set gconfig.greedy=false for training (eval_gconfig is separate).")
+    return out

@@ -1,0 +1,400 @@
+"""The schema: the typed config dataclasses (every field with its help), ``ExperimentConfig`` and ``schema_keys``."""
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Dict, List, Optional, Tuple
+
+from stalerl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+from stalerl.config.checks import _did_you_mean, _type_hints, _unwrap_optional
+from stalerl.config.errors import _DEFER_CHECKS, ConfigError
+from stalerl.config.rules import _resolve_python_interpolations, validate
+from stalerl.config.section import _f, _Section
+from stalerl.config.slurm import SlurmConfig
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterConfig(_Section):
+    """Where run outputs go and what hardware the job may use."""
+
+    fileroot: str = _f("./runs", help="Root directory for run outputs; a run writes to "
+                                      "{fileroot}/{experiment_name}/{trial_name}. Must be on a shared filesystem "
+                                      "for multi-node Ray/Slurm runs.")
+    n_nodes: int = _f(1, ge=1, help="Number of nodes.")
+    n_gpus_per_node: int = _f(0, ge=0, help="GPUs per node available to this job; 0 = CPU only. vllm/sglang rollout "
+                                            "backends need GPUs, and the GPUs the backends ask for must fit in "
+                                            "n_nodes * n_gpus_per_node.")
+
+
+@dataclass
+class SchedulerConfig(_Section):
+    """How worker processes are started."""
+
+    type: str = _f("local", choices=("local", "ray", "slurm"),
+                   help="local = processes on this machine; ray = a Ray cluster; slurm = sbatch jobs.")
+    ray_address: Optional[str] = _f(None, help="Ray cluster address; null = the RAY_ADDRESS environment variable, "
+                                               "else a new local Ray cluster.")
+    slurm: SlurmConfig = _f(factory=SlurmConfig, help="Slurm settings (scheduler.type=slurm).")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    """The inference side: the generation engine and the staleness (off-policyness) control."""
+
+    backend: str = _f("hf:d1", help="Generation engine and parallelism, '<engine>:d<X>[t<T>][p<P>]' with engine "
+                                    "hf (transformers generate, CPU or GPU), vllm or sglang (GPU); d = replicas, "
+                                    "t = tensor-parallel, p = pipeline stages. E.g. sglang:d2.")
+    max_concurrent_rollouts: Optional[int] = _f(None, ge=1, help="Prompt groups in flight at once; null = "
+                                                                  "consumer_batch_size.")
+    max_head_offpolicyness: int = _f(0, ge=0, help="How many trainer versions behind a consumed sample's oldest "
+                                                   "token may be (admission control, AReaL semantics); 0 = "
+                                                   "synchronous on-policy.")
+    consumer_batch_size: int = _f("${train_dataset.batch_size}", ge=1,
+                                  help="Prompts (groups) consumed per train step.")
+    fixed_staleness: int = _f(0, ge=0, help="Controlled-experiment mode: the batch trained at step t is generated "
+                                            "by the policy of step t-s (a FIFO, as in the paper's Stale-k runs); "
+                                            "0 = off. Do not combine with max_head_offpolicyness > 0.")
+    queue_size: Optional[int] = _f(None, ge=1, help="Asynchronous mode: at most this many prompt groups running or "
+                                                    "finished-but-unconsumed at once (bounds memory); null = no "
+                                                    "cap beyond the staleness and concurrency rules.")
+    mode: str = _f("auto", choices=("auto", "sync", "async"),
+                   help="sync: rollout and training alternate in one process (with fixed_staleness for controlled "
+                        "experiments); async: rollout workers and train workers run concurrently under "
+                        "max_head_offpolicyness; auto: async when max_head_offpolicyness > 0 or either backend has "
+                        "more than one replica, else sync.")
+    weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
+                          help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
+                               "(a checkpoint under the run directory; works across machines).")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        try:
+            b = parse_backend(self.backend, engines=ROLLOUT_ENGINES, key="backend")
+        except ConfigError as e:
+            return [("backend", e.detail)]  # type: ignore[attr-defined]
+        if b.engine == "hf" and (b.tp > 1 or b.pp > 1):
+            return [("backend", f"got {self.backend!r}; the hf engine supports data parallelism only. "
+                                f"Fix: use hf:d{b.dp}, or vllm/sglang for tensor/pipeline parallelism.")]
+        return []
+
+
+@dataclass
+class GenerationConfig(_Section):
+    """Sampling parameters."""
+
+    n_samples: int = _f(4, ge=1, help="Completions per prompt (the GRPO group size; group-normalised advantages "
+                                      "need >= 2).")
+    max_new_tokens: int = _f(10, ge=1, help="Maximum generated tokens per completion.")
+    temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (> 0; use greedy=true for argmax).")
+    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling mass in (0, 1]; values < 1 make the behaviour "
+                                                "log-probs differ from the policy's softmax.")
+    top_k: int = _f(0, ge=0, help="Top-k sampling; 0 = off. Anything else makes the behaviour log-probs differ from "
+                                  "the policy's softmax (a warning is issued).")
+    greedy: bool = _f(False, help="Argmax decoding (evaluation); ignores temperature/top_p/top_k.")
+
+
+@dataclass
+class TinyModelConfig(_Section):
+    """Shape of the embedded from-scratch model used when actor.path is tiny:qwen2 or tiny:llama."""
+
+    hidden_size: int = _f(128, ge=1, help="Hidden size.")
+    num_hidden_layers: int = _f(2, ge=1, help="Transformer layers.")
+    num_attention_heads: int = _f(4, ge=1, help="Attention heads (must divide hidden_size).")
+    num_key_value_heads: int = _f(4, ge=1, help="Key/value heads (must divide num_attention_heads).")
+    intermediate_size: int = _f(512, ge=1, help="MLP intermediate size.")
+    max_position_embeddings: int = _f(256, ge=1, help="Maximum sequence length (prompt + completion).")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        out = []
+        if self.hidden_size % self.num_attention_heads:
+            out.append(("num_attention_heads", f"got {self.num_attention_heads}; must divide hidden_size="
+                                               f"{self.hidden_size}. Fix: pick a divisor, e.g. 4."))
+        elif self.num_attention_heads % self.num_key_value_heads:
+            out.append(("num_key_value_heads", f"got {self.num_key_value_heads}; must divide num_attention_heads="
+                                               f"{self.num_attention_heads}. Fix: set it equal to "
+                                               "num_attention_heads."))
+        return out
+
+
+@dataclass
+class MicroBatchSpec(_Section):
+    """How a training batch is split into micro-batches for gradient accumulation."""
+
+    max_tokens_per_mb: int = _f(8192, ge=1, help="Maximum (padded) tokens per micro-batch.")
+
+
+@dataclass
+class OptimizerConfig(_Section):
+    """Optimizer and learning-rate schedule of the actor."""
+
+    type: str = _f("adamw", choices=("adamw", "sgd"), help="Optimizer.")
+    lr: float = _f(1e-4, gt=0.0, help="Learning rate.")
+    weight_decay: float = _f(0.0, ge=0.0, help="Weight decay.")
+    beta1: float = _f(0.9, ge=0.0, lt=1.0, help="Adam beta1.")
+    beta2: float = _f(0.99, ge=0.0, lt=1.0, help="Adam beta2.")
+    eps: float = _f(1e-8, gt=0.0, help="Adam epsilon.")
+    gradient_clipping: float = _f(1.0, ge=0.0, help="Global gradient-norm clip; 0 = no clipping.")
+    lr_scheduler_type: str = _f("constant", choices=("constant", "linear", "cosine"),
+                                help="Learning-rate schedule after warm-up.")
+    warmup_steps_proportion: float = _f(0.0, ge=0.0, le=1.0, help="Fraction of optimizer steps used for linear "
+                                                                  "warm-up.")
+
+
+NORM_LEVELS = ("group", "batch")
+
+
+@dataclass
+class NormConfig(_Section):
+    """Normalisation of rewards or advantages: subtract a mean and/or divide by a std, per group or per batch."""
+
+    mean_level: Optional[str] = _f("group", choices=NORM_LEVELS, help="Mean to subtract: group (the n_samples "
+                                                                      "completions of a prompt), batch, or null "
+                                                                      "(none).")
+    std_level: Optional[str] = _f("group", choices=NORM_LEVELS, help="Std to divide by: group, batch, or null "
+                                                                     "(none).")
+    eps: float = _f(1e-4, gt=0.0, help="Added to the std before dividing.")
+
+
+@dataclass
+class ActorConfig(_Section):
+    """The policy being trained: model, training engine, optimizer and the policy loss."""
+
+    path: str = _f("tiny:qwen2", help="HF model directory (or hub name available offline), or tiny:qwen2 / "
+                                      "tiny:llama for the embedded from-scratch model shaped by actor.tiny.")
+    tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
+    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
+                                       "(plain/DDP) or fsdp.")
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+                    help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
+                         "trained parameters and the optimizer state are always float32 (master weights); "
+                         "bfloat16 runs the forward under torch.autocast. float16 is refused (no loss scaling).")
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available, else cpu.")
+    gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
+    mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
+    optimizer: OptimizerConfig = _f(factory=OptimizerConfig, help="Optimizer.")
+    loss: str = _f("m2po", help="Policy loss, a name registered in recipe.registry (built in: m2po, vanilla, "
+                                "no_trust_region).")
+    loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
+                                               "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
+                                               "seq-mean-token-mean.")
+    m2_threshold: float = _f(0.04, ge=0.0, help="M2PO: the largest squared log-ratio tokens are masked until the "
+                                                "mean M2 of the rest is below this (>= 0; 0 masks every token with "
+                                                "a nonzero log-ratio).")
+    m2_scope: str = _f("dp_group", choices=("local", "dp_group"),
+                       help="M2PO selection scope over each optimizer mini-batch (always all of its micro-batches): "
+                            "dp_group = across all data-parallel ranks, exactly Algorithm 1 on the whole "
+                            "mini-batch; local = each rank's share separately.")
+    eps_clip: float = _f(0.2, ge=0.0, help="PPO clip range (lower side; also the upper side unless "
+                                           "eps_clip_higher is set). Used by the vanilla loss.")
+    eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
+    c_clip: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant (> 1) for negative advantages; null = off.")
+    ppo_n_minibatches: int = _f(1, ge=1, help="Optimizer steps per train step; must divide "
+                                              "train_dataset.batch_size.")
+    reward_scaling: float = _f(1.0, help="Rewards become (reward + reward_bias) * reward_scaling.")
+    reward_bias: float = _f(0.0, help="See reward_scaling.")
+    reward_norm: Optional[NormConfig] = _f(None, help="Reward normalisation; null = off.")
+    adv_norm: Optional[NormConfig] = _f(factory=lambda: NormConfig(mean_level="group", std_level="group"),
+                                        help="Advantage normalisation (GRPO: group mean and std); null = raw "
+                                             "rewards as advantages.")
+    behavior_logp: str = _f("rollout", choices=("rollout", "recompute"),
+                            help="Behaviour log-probs: rollout = the engine's sampling log-probs; recompute = a "
+                                 "training-engine forward at the generating weights (the paper authors' choice).")
+    kl_coef: float = _f(0.0, help="KL penalty against a reference model. Not supported yet: must be 0.")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        out = []
+        if self.path.startswith("tiny:") and self.path not in ("tiny:qwen2", "tiny:llama"):
+            out.append(("path", f"got {self.path!r}; the embedded models are tiny:qwen2 and tiny:llama. "
+                                "Fix: set actor.path=tiny:qwen2 or an HF model directory."))
+        try:
+            b = parse_backend(self.backend, engines=TRAIN_ENGINES, key="backend")
+        except ConfigError as e:
+            out.append(("backend", e.detail))  # type: ignore[attr-defined]
+        else:
+            if b.engine == "torch" and (b.tp > 1 or b.pp > 1):
+                out.append(("backend", f"got {self.backend!r}; the torch engine supports data parallelism only. "
+                                       f"Fix: use torch:d{b.dp}."))
+            elif b.engine == "fsdp" and b.pp > 1:
+                out.append(("backend", f"got {self.backend!r}; fsdp does not support pipeline parallelism. "
+                                       f"Fix: use fsdp:d{b.dp}" + (f"t{b.tp}" if b.tp > 1 else "") + "."))
+        from recipe.registry import LOSS_AGG_MODES, is_policy_loss_registered, registered_policy_losses
+
+        if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
+            losses = registered_policy_losses()
+            out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
+                                f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
+                                "register yours with recipe.registry.register_policy_loss before load_config."))
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            out.append(("loss_agg_mode", f"got {self.loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}"
+                                         f"{_did_you_mean(self.loss_agg_mode, LOSS_AGG_MODES)}. "
+                                         "Fix: set actor.loss_agg_mode=token-mean."))
+        if self.kl_coef != 0.0:
+            out.append(("kl_coef", f"got {self.kl_coef!r}; a KL penalty is not supported yet. Fix: set "
+                                   "actor.kl_coef=0."))
+        return out
+
+
+@dataclass
+class SyntheticDataConfig(_Section):
+    """The built-in synthetic task used when the dataset path is 'synthetic'."""
+
+    task: str = _f("add", choices=("add", "word"), help="add = 'a+b=' arithmetic; word = short word problems.")
+    max_operand: int = _f(99, ge=1, help="Largest operand.")
+    train_size: int = _f(20000, ge=1, help="Examples in the train split.")
+    test_size: int = _f(256, ge=1, help="Examples in the test split.")
+    seed: int = _f(1234, ge=0, help="Generator seed (the splits are disjoint and reproducible).")
+
+
+@dataclass
+class DatasetConfig(_Section):
+    """A dataset of prompts with reference answers."""
+
+    path: str = _f("synthetic", help="synthetic, a .jsonl/.parquet file, a directory with train/test files, or a "
+                                     "`datasets` name available offline (e.g. openai/gsm8k).")
+    type: str = _f("rl", choices=("rl", "sft"), help="rl = prompts + answers for RL; sft = prompts + worked "
+                                                     "answers.")
+    split: str = _f("train", help="Split to read (train, test, ...).")
+    batch_size: int = _f(32, ge=1, help="Prompts per batch.")
+    shuffle: bool = _f(True, help="Shuffle every epoch.")
+    max_length: Optional[int] = _f(None, ge=1, help="Drop prompts longer than this many tokens; null = keep all.")
+    synthetic: SyntheticDataConfig = _f(factory=SyntheticDataConfig, help="Synthetic task (path=synthetic).")
+    drop_last: bool = _f(True, help="Drop the last incomplete batch of an epoch.")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        if not self.split.strip():
+            return [("split", "got ''; expected a split name. Fix: set it to train or test.")]
+        if not self.path.strip():
+            return [("path", "got ''; expected 'synthetic', a file, a directory or a dataset name.")]
+        return []
+
+
+@dataclass
+class SaverConfig(_Section):
+    """Saving HF-format models (for use outside training; see recover for resumable checkpoints)."""
+
+    freq_steps: Optional[int] = _f(None, ge=1, help="Save an HF-format model every N steps; null = only at the end.")
+    save_final: bool = _f(True, help="Save the final model.")
+
+
+@dataclass
+class EvaluatorConfig(_Section):
+    """Periodic evaluation on valid_dataset with eval_gconfig."""
+
+    freq_steps: Optional[int] = _f(50, ge=1, help="Evaluate every N train steps (and at the end); null = only at "
+                                                  "the end.")
+    n_prompts: int = _f(256, ge=1, help="Evaluation prompts (the first N of valid_dataset).")
+    at_start: bool = _f(True, help="Also evaluate before the first train step.")
+
+
+@dataclass
+class RecoverConfig(_Section):
+    """Resumable checkpoints (model, optimizer, data position, RNG and staleness counters)."""
+
+    mode: str = _f("disabled", choices=("disabled", "auto", "resume"),
+                   help="disabled = never checkpoint/resume; auto = resume from the latest checkpoint if any; "
+                        "resume = require one.")
+    freq_steps: int = _f(50, ge=1, help="Checkpoint every N steps (when mode is not disabled).")
+    keep_last: int = _f(2, ge=1, help="Checkpoints to keep.")
+
+
+@dataclass
+class StatsLoggerConfig(_Section):
+    """Metrics output."""
+
+    tensorboard: bool = _f(True, help="Write TensorBoard event files under the run directory (when tensorboard is "
+                                      "installed).")
+    progress_bar: bool = _f(True, help="Show a progress bar.")
+    log_every: int = _f(10, ge=1, help="Print a summary line every N steps.")
+
+
+@dataclass
+class WarmStartConfig(_Section):
+    """Supervised warm start on the generator's worked answers before RL."""
+
+    steps: int = _f(500, ge=0, help="Supervised steps before RL; 0 disables. Only needed for from-scratch tiny "
+                                    "models; set 0 for pretrained checkpoints.")
+    batch_size: int = _f(64, ge=1, help="Examples per supervised step.")
+    lr: float = _f(1e-3, gt=0.0, help="Supervised learning rate.")
+
+
+@dataclass
+class ExperimentConfig(_Section):
+    """An RL experiment: GRPO-style training with a stale-rollout-aware policy loss."""
+
+    experiment_name: str = _f("gsm8k-grpo", help="Experiment name (a directory name under cluster.fileroot).")
+    trial_name: str = _f("trial0", help="Trial name (a directory name under the experiment).")
+    seed: int = _f(1, ge=0, help="Global random seed.")
+    total_train_epochs: int = _f(1, ge=1, help="Epochs over train_dataset.")
+    total_train_steps: Optional[int] = _f(300, ge=1, help="Stop after this many train steps even if epochs remain; "
+                                                          "null = run all epochs.")
+    torch_threads: int = _f(2, ge=1, help="torch.set_num_threads per process. Oversubscribing cores (e.g. two "
+                                          "processes x many threads on 2 cores) makes generation ~16x slower.")
+    tokenizer_path: Optional[str] = _f(None, help="Tokenizer; null = actor.path.")
+    cluster: ClusterConfig = _f(factory=ClusterConfig, help="Hardware and output root.")
+    scheduler: SchedulerConfig = _f(factory=SchedulerConfig, help="Process launcher.")
+    rollout: RolloutConfig = _f(factory=RolloutConfig, help="Generation engine and staleness control.")
+    gconfig: GenerationConfig = _f(factory=GenerationConfig, help="Sampling for training rollouts.")
+    eval_gconfig: GenerationConfig = _f(factory=lambda: GenerationConfig(n_samples=1, greedy=True),
+                                        help="Sampling for evaluation (greedy, one sample by default).")
+    actor: ActorConfig = _f(factory=ActorConfig, help="Policy, training engine and loss.")
+    train_dataset: DatasetConfig = _f(factory=lambda: DatasetConfig(split="train", batch_size=32, shuffle=True),
+                                      help="Training prompts.")
+    valid_dataset: DatasetConfig = _f(factory=lambda: DatasetConfig(split="test", batch_size=256, shuffle=False),
+                                      help="Evaluation prompts.")
+    saver: SaverConfig = _f(factory=SaverConfig, help="Model export.")
+    evaluator: EvaluatorConfig = _f(factory=EvaluatorConfig, help="Evaluation schedule.")
+    recover: RecoverConfig = _f(factory=RecoverConfig, help="Checkpoint/resume.")
+    stats_logger: StatsLoggerConfig = _f(factory=StatsLoggerConfig, help="Metrics output.")
+    warm_start: WarmStartConfig = _f(factory=WarmStartConfig, help="Supervised warm start.")
+
+    def __post_init__(self) -> None:
+        if _DEFER_CHECKS.get():
+            return
+        # Built directly in Python (not through OmegaConf): resolve simple ${a.b} references ourselves.
+        _resolve_python_interpolations(self)
+        validate(self)
+
+    @property
+    def effective_tokenizer_path(self) -> str:
+        """tokenizer_path, or actor.path when it is null."""
+        return self.tokenizer_path if self.tokenizer_path is not None else self.actor.path
+
+    def _check(self) -> List[Tuple[str, str]]:
+        out = []
+        for name in ("experiment_name", "trial_name"):
+            value = getattr(self, name)
+            if not value.strip() or value in (".", "..") or "/" in value or "\\" in value:
+                out.append((name, f"got {value!r}; expected a non-empty directory name without '/'. "
+                                  f"Fix: set {name}=my-run."))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Schema introspection
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _schema(config_cls: type) -> Dict[str, Tuple[Any, dataclasses.Field]]:
+    out: Dict[str, Tuple[Any, dataclasses.Field]] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            out[key] = (hints[f.name], f)
+            inner, _ = _unwrap_optional(hints[f.name])
+            if dataclasses.is_dataclass(inner):
+                walk(inner, key)
+
+    walk(config_cls, "")
+    return out
+
+
+def schema_keys(config_cls: type = ExperimentConfig) -> List[str]:
+    """Every dotted key of the schema (sections included), in declaration order."""
+    return list(_schema(config_cls))

@@ -1,0 +1,241 @@
+"""The real-scale training path (issue 9): fp32 master weights with bf16 compute, float16 refused, no clipping at
+gradient_clipping=0, dropout off, the logged learning rate and token-weighted micro-batch metrics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from stalerl.actor import Actor, combine_micro_batch_metrics
+from stalerl.advantage import grpo_advantages
+from stalerl.config import ConfigError, NormConfig, load_config
+from stalerl.model import PromptFormatter, load_policy, load_policy_from_config
+from stalerl.reward import gsm8k_reward
+from stalerl.rollout.engine import HFRolloutEngine
+
+QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?"]
+ANSWERS = ["19", "48", "100", "16"]
+
+
+def _batch(model, tok, *, compute_dtype="float32", seed=5, perturb=0.0):
+    torch.manual_seed(seed)
+    behaviour = model
+    if perturb:
+        behaviour = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in behaviour.parameters():
+                p.add_(perturb * torch.randn_like(p))
+    engine = HFRolloutEngine(behaviour, tok, PromptFormatter(tok).format, gsm8k_reward, compute_dtype=compute_dtype)
+    batch = engine.generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8)
+    batch.rewards = (torch.rand(batch.num_rows) > 0.5).float()
+    adv = grpo_advantages(batch.rewards, batch.group_ids, batch.response_mask, adv_norm=NormConfig())
+    return batch, adv
+
+
+def _actor(model, *overrides, total_updates=1):
+    cfg = load_config(list(overrides))
+    return Actor(model, cfg.actor, temperature=1.0, total_updates=total_updates)
+
+
+# ------------------------------------------------------------------------------------------------ mixed precision
+
+
+def test_bfloat16_run_keeps_fp32_master_weights_and_moves_them_at_lr_1e6(tmp_path):
+    cfg = load_config(["actor.dtype=bfloat16", "actor.device=cpu", "actor.optimizer.lr=1e-6",
+                       f"cluster.fileroot={tmp_path}"])
+    model, tok = load_policy_from_config(cfg)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    batch, adv = _batch(model, tok, compute_dtype="bfloat16", perturb=0.02)
+    actor = Actor(model, cfg.actor, temperature=1.0, total_updates=1)
+    layers = {n: p.detach().clone() for n, p in model.named_parameters() if ".layers." in n}
+    actor.update(batch, adv)
+    changed = sum(int((p.detach() != layers[n]).sum()) for n, p in model.named_parameters() if n in layers)
+    total = sum(t.numel() for t in layers.values())
+    # bf16 parameters would not move at all (an lr 1e-6 step is far below half a bf16 ulp of ~0.02-sized weights)
+    assert changed / total > 0.9, changed / total
+
+
+def test_bfloat16_compute_runs_under_autocast_and_recompute_equals_training_forward(tiny_policy):
+    model, tok = tiny_policy
+    batch, adv = _batch(model, tok)
+    fp32 = _actor(copy.deepcopy(model)).compute_logp(batch)
+    bf16_actor = _actor(copy.deepcopy(model), "actor.dtype=bfloat16", "actor.optimizer.type=sgd",
+                        "actor.optimizer.lr=1e-30")
+    bf16 = bf16_actor.compute_logp(batch)
+    m = batch.response_mask
+    diff = (bf16 - fp32)[m].abs().max().item()
+    assert 0 < diff < 0.5, diff  # bf16 matmuls: close to, but not bit-equal with, the fp32 forward
+    # behaviour log-probs recomputed in bf16 = the bf16 training forward at the same weights: log-ratio exactly 0
+    batch.behavior_logp = bf16
+    metrics = bf16_actor.update(batch, adv)
+    assert metrics["actor/log_ratio_abs_max"] == 0.0
+
+
+def test_actor_refuses_low_precision_parameters():
+    model, _ = load_policy("tiny:qwen2", dtype="bfloat16", device="cpu", seed=0)
+    with pytest.raises(ValueError, match="float32 master parameters"):
+        _actor(model, "actor.dtype=bfloat16")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "auto"])
+def test_float16_refused_at_load(device):
+    with pytest.raises(ConfigError) as info:
+        load_config(["actor.dtype=float16", f"actor.device={device}"])
+    msg = str(info.value)
+    assert "actor.dtype" in msg and "loss scaling" in msg and "bfloat16" in msg
+
+
+# ------------------------------------------------------------------------------------------------ clipping / lr
+
+
+def _sgd_update(model, batch, adv, *overrides):
+    m = copy.deepcopy(model)
+    metrics = _actor(m, "actor.optimizer.type=sgd", "actor.optimizer.lr=0.5", *overrides).update(batch, adv)
+    return [p.detach().clone() for p in m.parameters()], metrics
+
+
+def test_gradient_clipping_zero_means_no_clipping(tiny_policy):
+    model, tok = tiny_policy
+    batch, adv = _batch(model, tok, perturb=0.05)
+    before = [p.detach().clone() for p in model.parameters()]
+    off, m_off = _sgd_update(model, batch, adv, "actor.optimizer.gradient_clipping=0")
+    huge, m_huge = _sgd_update(model, batch, adv, "actor.optimizer.gradient_clipping=1e12")
+    assert m_off["actor/grad_norm"] > 0 and m_off["actor/grad_norm"] == pytest.approx(m_huge["actor/grad_norm"])
+    assert any(not torch.equal(a, b) for a, b in zip(off, before))  # 0 used to multiply every gradient by 0
+    for a, b in zip(off, huge):
+        assert torch.equal(a, b)
+
+
+def test_logged_lr_is_the_rate_of_this_step(tiny_policy):
+    model, tok = tiny_policy
+    batch, adv = _batch(model, tok)
+    # linear warm-up over 4 of 8 updates: the first step runs at lr/4, the second at lr/2
+    actor = _actor(copy.deepcopy(model), "actor.optimizer.lr=1e-3", "actor.optimizer.warmup_steps_proportion=0.5",
+                   total_updates=8)
+    seen = []
+    for _ in range(2):
+        used = actor.optimizer.param_groups[0]["lr"]
+        seen.append((actor.update(batch, adv)["actor/lr"], used))
+    assert seen[0] == (pytest.approx(2.5e-4), pytest.approx(2.5e-4))
+    assert seen[1] == (pytest.approx(5e-4), pytest.approx(5e-4))
+
+
+# ------------------------------------------------------------------------------------------------ micro-batch metrics
+
+
+def test_combine_micro_batch_metrics_rules():
+    parts = [(1.0, {"l/clip_fraction": 1.0, "l/ratio_max": 3.0, "l/num_masked_tokens": 1.0}),
+             (3.0, {"l/clip_fraction": 0.0, "l/ratio_max": 2.0, "l/num_masked_tokens": 2.0})]
+    out = combine_micro_batch_metrics(parts)
+    assert out == {"l/clip_fraction": 0.25, "l/ratio_max": 3.0, "l/num_masked_tokens": 3.0}
+    assert combine_micro_batch_metrics([(0.0, {"a": 1.0}), (0.0, {"a": 3.0})]) == {"a": 2.0}
+
+
+@pytest.mark.parametrize("loss, keys", [("vanilla", ("vanilla/clip_fraction", "vanilla/ppo_kl")),
+                                        ("no_trust_region", ("no_trust_region/ratio_mean",
+                                                             "no_trust_region/ratio_max", "no_trust_region/ppo_kl"))])
+def test_micro_batch_metrics_equal_whole_mini_batch_metrics(tiny_policy, loss, keys):
+    model, tok = tiny_policy
+    batch, adv = _batch(model, tok, perturb=0.05)
+    # uneven response lengths (as eos makes them), so micro-batches hold different token counts
+    for i in range(0, batch.num_rows, 3):
+        batch.response_mask[i, 2 + i % 4:] = False
+        batch.response_ids[i, 2 + i % 4:] = tok.pad_token_id
+    adv = adv * batch.response_mask
+    common = (f"actor.loss={loss}", "actor.optimizer.gradient_clipping=1e9")
+    _, whole = _sgd_update(model, batch, adv, *common, "actor.mb_spec.max_tokens_per_mb=100000")
+    _, split = _sgd_update(model, batch, adv, *common, "actor.mb_spec.max_tokens_per_mb=40")
+    assert whole["actor/num_micro_batches"] == 1 and split["actor/num_micro_batches"] > 3
+    assert whole[f"actor/{keys[0]}"] != 0
+    for k in keys:
+        assert split[f"actor/{k}"] == pytest.approx(whole[f"actor/{k}"], rel=1e-5, abs=1e-7), k
+
+
+# ------------------------------------------------------------------------------------------------ dropout
+
+
+@pytest.fixture
+def dropout_policy(tmp_path):
+    """A checkpoint whose config has attention_dropout 0.1 (the HF modules read it in train mode)."""
+    model, tok = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=0)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    loaded, tok2 = load_policy(str(tmp_path / "ckpt"), device="cpu")
+    assert any(getattr(m, "attention_dropout", 0.0) == 0.1 for m in loaded.modules())
+    return loaded, tok2
+
+
+def test_dropout_off_gives_zero_on_policy_log_ratio(dropout_policy):
+    model, tok = dropout_policy
+    batch, adv = _batch(model, tok)
+    actor = _actor(model)
+    batch.behavior_logp = actor.compute_logp(batch)  # staleness 0, behaviour at the current weights
+    torch.manual_seed(0)
+    metrics = actor.update(batch, adv)
+    assert metrics["actor/log_ratio_abs_max"] == 0.0
+    assert metrics["actor/m2_all_tokens"] == 0.0
+
+
+def test_dropout_off_micro_batch_split_does_not_change_the_update(dropout_policy):
+    model, tok = dropout_policy
+    batch, adv = _batch(model, tok, perturb=0.05)
+    common = ("actor.optimizer.gradient_clipping=1e9", "actor.loss=vanilla")
+    torch.manual_seed(1)
+    whole, _ = _sgd_update(model, batch, adv, *common, "actor.mb_spec.max_tokens_per_mb=100000")
+    torch.manual_seed(2)
+    split, m = _sgd_update(model, batch, adv, *common, "actor.mb_spec.max_tokens_per_mb=40")
+    assert m["actor/num_micro_batches"] > 3
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ O(tokens) log-probs
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 7, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_token_logprobs_equal_the_full_log_softmax(monkeypatch, chunk, temperature):
+    import stalerl.actor as actor_mod
+
+    monkeypatch.setattr(actor_mod, "_LOGP_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 4, 33, generator=g) * 3).requires_grad_()
+    ids = torch.randint(0, 33, (5, 4), generator=g)
+    fast = actor_mod.token_logprobs(logits, ids, temperature)
+    slow = torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(fast.double(), slow, rtol=0, atol=1e-5)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    (g_fast,) = torch.autograd.grad((fast.double() * w).sum(), logits)
+    (g_slow,) = torch.autograd.grad((slow * w).sum(), logits)
+    torch.testing.assert_close(g_fast.double(), g_slow.double(), rtol=1e-4, atol=1e-6)
+    bf = actor_mod.token_logprobs(logits.detach().bfloat16(), ids, temperature)
+    assert bf.dtype == torch.float32
+
+
+def test_recorder_gathers_each_sampled_token_under_the_processed_distribution():
+    """Step t's scores are held until the token sampled from them shows up (next call's last column, or finish)."""
+    from stalerl.rollout.engine import SampledLogProbRecorder
+
+    g = torch.Generator().manual_seed(0)
+    rec = SampledLogProbRecorder(temperature=0.9, top_k=4)
+    ids = torch.tensor([[5, 6], [7, 8]])
+    s1, s2 = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g)
+    p1 = rec(ids, s1.clone())
+    p2 = rec(torch.cat([ids, p1.argmax(-1, keepdim=True)], 1), s2.clone())
+    seqs = torch.cat([ids, p1.argmax(-1, keepdim=True), p2.argmax(-1, keepdim=True)], 1)
+    out = rec.finish(seqs, 2)
+
+    def ref(s, tok):
+        top = s / 0.9
+        kth = top.topk(4, dim=-1).values[:, -1:]
+        top = top.masked_fill(top < kth, -float("inf"))
+        return torch.log_softmax(top, -1).gather(-1, tok[:, None]).squeeze(-1)
+
+    expected = torch.stack([ref(s1, seqs[:, 2]), ref(s2, seqs[:, 3])], 1)
+    torch.testing.assert_close(out, expected)
+    assert torch.isinf(p1).sum(-1).tolist() == [6, 6]  # the warpers ran inside the recorder
+    with pytest.raises(RuntimeError, match="out of step"):
+        SampledLogProbRecorder().finish(seqs, 2)
