@@ -232,11 +232,10 @@ class ActorConfig(_Section):
             elif b.engine == "fsdp" and b.pp > 1:
                 out.append(("backend", f"got {self.backend!r}; fsdp does not support pipeline parallelism. "
                                        f"Fix: use fsdp:d{b.dp}" + (f"t{b.tp}" if b.tp > 1 else "") + "."))
-        from recipe.common import LOSS_AGG_MODES  # lazy: recipe imports torch
-        from recipe.registry import registered_policy_losses
+        from recipe.registry import LOSS_AGG_MODES, is_policy_loss_registered, registered_policy_losses
 
-        losses = registered_policy_losses()
-        if self.loss not in losses:
+        if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
+            losses = registered_policy_losses()
             out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
                                 f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
                                 "register yours with recipe.registry.register_policy_loss before load_config."))
