@@ -101,6 +101,11 @@ def loss_config(actor_cfg: Any) -> dict[str, Any]:
         "eps_clip": actor_cfg.eps_clip,
         "eps_clip_higher": actor_cfg.eps_clip_higher,
         "c_clip": actor_cfg.c_clip,
+        "fipo_decay_rate": actor_cfg.fipo_decay_rate,
+        "fipo_clip_ratio_c": actor_cfg.fipo_clip_ratio_c,
+        "fipo_influence_clip_ratio": actor_cfg.fipo_influence_clip_ratio,
+        "fipo_influence_clip_high_only": actor_cfg.fipo_influence_clip_high_only,
+        "fipo_safety_threshold": actor_cfg.fipo_safety_threshold,
         "global_batch_info": {},
     }
 

@@ -73,7 +73,8 @@ class AsyncTrainer(Trainer):
         self.failure: Optional[WorkerFailure] = None
         self.stop_event = threading.Event()
         self.dispatcher: Optional[threading.Thread] = None
-        self.counters = {"gen_tokens": 0, "gen_seconds": 0.0, "sync_seconds": 0.0, "admission_wait_s": 0.0}
+        self.counters = {"gen_tokens": 0, "gen_seconds": 0.0, "sync_seconds": 0.0, "admission_wait_s": 0.0,
+                         "gen_reward_sum": 0.0, "gen_reward_n": 0}
         self.tasks_to_resubmit: list = []
         self.weights_published = False  # nothing is admitted before the version-0 weights exist
         self.latest_weights: Any = None  # (version, worker method, shared state or file path)
@@ -244,6 +245,9 @@ class AsyncTrainer(Trainer):
                     self.outstanding[role] -= len(out["results"])
                     self.counters["gen_tokens"] += out["tokens"]
                     self.counters["gen_seconds"] += out["seconds"]
+                    for _, state in out["results"]:  # reward/generated: at generation end, not consumption
+                        self.counters["gen_reward_sum"] += float(state["rewards"].sum())
+                        self.counters["gen_reward_n"] += len(state["rewards"])
                 else:  # a weight load
                     self.counters["sync_seconds"] += out["seconds"]
                     self.loaded_version[role] = out["version"]
@@ -376,8 +380,9 @@ class AsyncTrainer(Trainer):
             queue_depth = len(self.manager.finished)
             running = len(self.manager.running)
             counters = dict(self.counters)
-            for k in ("gen_tokens", "gen_seconds", "sync_seconds", "admission_wait_s"):
-                self.counters[k] = 0 if k == "gen_tokens" else 0.0
+            for k in ("gen_tokens", "gen_seconds", "sync_seconds", "admission_wait_s", "gen_reward_sum",
+                      "gen_reward_n"):
+                self.counters[k] = 0 if k in ("gen_tokens", "gen_reward_n") else 0.0
         wait_s = time.perf_counter() - t0
         batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
         stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
@@ -403,6 +408,8 @@ class AsyncTrainer(Trainer):
             "version": float(self.step),
         })
         metrics.update(self.batch_metrics(batch))
+        if counters["gen_reward_n"]:  # samples finished generating since the last step
+            metrics["reward/generated"] = counters["gen_reward_sum"] / counters["gen_reward_n"]
         return metrics
 
     def _update(self, batch, advantages) -> dict[str, float]:

@@ -94,12 +94,15 @@ def expand(overrides: Sequence[str], base_trial: str) -> list[tuple[str, list[st
 
 
 # ---------------------------------------------------------------------------------------------- summary
-SUMMARY_COLUMNS = ("trial", "status", "steps", "final_reward", "final_eval_accuracy", "staleness_avg",
+# Held-out eval accuracy first; reward of the batches generated in the last steps vs of those trained on (under a
+# FIFO of staleness S the consumed batch was generated S steps earlier, which biases a comparison across S).
+SUMMARY_COLUMNS = ("trial", "status", "steps", "final_eval_accuracy", "final_reward_generated",
+                   "final_reward_consumed", "staleness_avg",
                    "staleness_max", "masked_fraction", "clip_fraction", "seconds")
 
 
 def summarize_run(run_dir: Path, status: str = "ok", tail_fraction: float = 0.1) -> dict[str, Any]:
-    """One summary row: final reward = mean over the last ``tail_fraction`` of steps (at least one)."""
+    """One summary row: final rewards = means over the last ``tail_fraction`` of steps (at least one)."""
     from stalerl.metrics_log import read_metrics
 
     row: dict[str, Any] = {c: None for c in SUMMARY_COLUMNS}
@@ -120,8 +123,9 @@ def summarize_run(run_dir: Path, status: str = "ok", tail_fraction: float = 0.1)
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     row.update({
         "steps": rows[-1]["step"],
-        "final_reward": mean("reward"),
         "final_eval_accuracy": evals[-1] if evals else None,
+        "final_reward_generated": mean("reward/generated"),
+        "final_reward_consumed": mean("reward/consumed") if mean("reward/consumed") is not None else mean("reward"),
         "staleness_avg": sum(r.get("staleness/avg", 0.0) for r in rows) / len(rows),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
         "masked_fraction": mean("actor/m2po/masked_fraction"),

@@ -24,7 +24,7 @@ Layout (one concern per module; ``from stalerl.config import ...`` is the public
 - :mod:`~stalerl.config.backend`: backend strings and ``parse_backend``.
 - :mod:`~stalerl.config.slurm`: ``SlurmConfig`` and the Slurm value checks (the Slurm scheduler imports them).
 - :mod:`~stalerl.config.schema`: the other sections, ``ExperimentConfig`` and ``schema_keys``.
-- :mod:`~stalerl.config.rules`: ``validate`` (cross-field rules and warnings) and ``is_async``.
+- :mod:`~stalerl.config.rules`: ``validate`` (cross-field rules and warnings), ``is_async`` and ``fipo_has_drift``.
 - :mod:`~stalerl.config.suggest`: did-you-mean for unknown keys.
 - :mod:`~stalerl.config.loading`: ``parse_args``, ``load_config``, ``apply_overrides`` (YAML + overrides).
 - :mod:`~stalerl.config.output`: ``config_to_yaml``, ``save_resolved_config``, ``run_dir``.
@@ -64,6 +64,7 @@ from stalerl.config.rules import (
     _cross_field_problems,
     _cross_field_warnings,
     _resolve_python_interpolations,
+    fipo_has_drift,
     is_async,
     validate,
 )
@@ -99,6 +100,7 @@ ConfigWarning.__module__ = __name__
 
 __all__ = [
     "ActorConfig",
+    "fipo_has_drift",
     "Backend",
     "ClusterConfig",
     "ConfigError",

@@ -62,6 +62,14 @@ def is_async(cfg: "ExperimentConfig") -> bool:
     return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
 
 
+def fipo_has_drift(cfg: "ExperimentConfig") -> bool:
+    """Whether a run trains on tokens from an older policy than the one being updated (FIPO needs that): a fixed
+    staleness, asynchronous admission of stale samples, or several optimizer steps per batch (every mini-batch after
+    the first sees a moved policy)."""
+    ro = cfg.rollout
+    return ro.fixed_staleness > 0 or ro.max_head_offpolicyness > 0 or cfg.actor.ppo_n_minibatches > 1
+
+
 def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = []
     ro, actor = cfg.rollout, cfg.actor
@@ -139,6 +147,12 @@ def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
     if g.top_k != 0:
         out.append(f"gconfig.top_k={g.top_k}: top-k sampling makes the behaviour log-probs differ from the policy's "
                    "softmax, so importance ratios and M2 are biased. Set gconfig.top_k=0 unless intended.")
+    if cfg.actor.loss == "fipo" and not fipo_has_drift(cfg):
+        out.append("actor.loss=fipo acts only through the drift between the behaviour and the current policy, and "
+                   "this run has none: rollout.fixed_staleness=0, rollout.max_head_offpolicyness=0 and "
+                   "actor.ppo_n_minibatches=1, so every ratio is 1 (up to engine noise), every influence weight is 1 "
+                   "and FIPO is the plain clipped PG loss. Set rollout.fixed_staleness>0, "
+                   "rollout.max_head_offpolicyness>0 or actor.ppo_n_minibatches>1 for FIPO to act.")
     if g.greedy:
         out.append("gconfig.greedy=true: every completion of a group is identical, so group-normalised advantages "
                    "are zero. Set gconfig.greedy=false for training (eval_gconfig is separate).")

@@ -180,7 +180,7 @@ class ActorConfig(_Section):
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
     optimizer: OptimizerConfig = _f(factory=OptimizerConfig, help="Optimizer.")
     loss: str = _f("m2po", help="Policy loss, a name registered in recipe.registry (built in: m2po, vanilla, "
-                                "no_trust_region).")
+                                "no_trust_region, fipo).")
     loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
                                                "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
                                                "seq-mean-token-mean.")
@@ -195,6 +195,17 @@ class ActorConfig(_Section):
                                            "eps_clip_higher is set). Used by the vanilla loss.")
     eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
     c_clip: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant (> 1) for negative advantages; null = off.")
+    fipo_decay_rate: float = _f(32.0, gt=0.0, help="FIPO: half-life in tokens of the Future-KL discount, "
+                                                   "gamma = 2^(-1/decay_rate).")
+    fipo_clip_ratio_c: float = _f(10.0, gt=1.0, help="FIPO: dual-clip constant c; tokens with ratio > c leave the "
+                                                     "Future-KL sums, and an A < 0 row with more than one of them is "
+                                                     "dropped. Must exceed 1 + the upper PPO clip range.")
+    fipo_influence_clip_ratio: float = _f(0.2, ge=0.0, help="FIPO: eps_f, the influence-weight clip; 0 = weights "
+                                                            "capped at 10 only.")
+    fipo_influence_clip_high_only: bool = _f(True, help="FIPO: clip weights to [1, 1+eps_f] (true) or "
+                                                        "[1-eps_f, 1+eps_f] (false).")
+    fipo_safety_threshold: float = _f(10.0, gt=0.0, help="FIPO: for A < 0 tokens with ratio above this, the weight "
+                                                         "is clamped into [0.8, 1]; >= 5e8 never fires.")
     ppo_n_minibatches: int = _f(1, ge=1, help="Optimizer steps per train step; must divide "
                                               "train_dataset.batch_size.")
     reward_scaling: float = _f(1.0, help="Rewards become (reward + reward_bias) * reward_scaling.")
@@ -228,11 +239,10 @@ class ActorConfig(_Section):
                 out.append(("backend", f"got {self.backend!r}; the fsdp engine shards over data-parallel ranks "
                                        "only: tensor and pipeline parallelism are not implemented. "
                                        f"Fix: use fsdp:d{b.world_size} (FSDP over all {b.world_size} ranks)."))
-        from recipe.common import LOSS_AGG_MODES  # lazy: recipe imports torch
-        from recipe.registry import registered_policy_losses
+        from recipe.registry import LOSS_AGG_MODES, is_policy_loss_registered, registered_policy_losses
 
-        losses = registered_policy_losses()
-        if self.loss not in losses:
+        if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
+            losses = registered_policy_losses()
             out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
                                 f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
                                 "register yours with recipe.registry.register_policy_loss before load_config."))
@@ -240,6 +250,16 @@ class ActorConfig(_Section):
             out.append(("loss_agg_mode", f"got {self.loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}"
                                          f"{_did_you_mean(self.loss_agg_mode, LOSS_AGG_MODES)}. "
                                          "Fix: set actor.loss_agg_mode=token-mean."))
+        if self.loss == "fipo":
+            eps_high = self.eps_clip_higher if self.eps_clip_higher is not None else self.eps_clip
+            if self.fipo_clip_ratio_c <= 1.0 + eps_high:
+                out.append(("fipo_clip_ratio_c", f"got {self.fipo_clip_ratio_c}; FIPO needs c > 1 + the upper PPO "
+                                                 f"clip range (1 + {eps_high}). Fix: set actor.fipo_clip_ratio_c=10."))
+            if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
+                out.append(("fipo_influence_clip_ratio", f"got {self.fipo_influence_clip_ratio} with "
+                                                         "fipo_influence_clip_high_only=false; the lower bound "
+                                                         "1 - eps_f must stay positive. Fix: set "
+                                                         "actor.fipo_influence_clip_ratio=0.2."))
         if self.kl_coef != 0.0:
             out.append(("kl_coef", f"got {self.kl_coef!r}; a KL penalty is not supported yet. Fix: set "
                                    "actor.kl_coef=0."))

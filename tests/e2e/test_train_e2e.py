@@ -123,6 +123,11 @@ def test_local_sweep_2x2_runs_every_point_and_writes_a_summary(tmp_path):
     assert all(r["steps"] == 2 for r in rows)
     m2po = [r for r in rows if "m2po" in r["trial"]]
     assert all(r["masked_fraction"] is not None and r["clip_fraction"] is None for r in m2po)
+    assert all(r["final_reward_generated"] is not None and r["final_reward_consumed"] is not None for r in rows)
+    for t in trials:  # every run of the sweep (its own process) wrote its summary.json
+        s = json.loads((root / t / "summary.json").read_text())
+        assert (s["status"], s["run"], s["steps_done"]) == ("finished", t, 2)
+        assert s["setting"] == f"fixed_staleness {t[-1]}"
 
 
 def test_sweep_validates_every_point_before_running(tmp_path):
@@ -130,3 +135,31 @@ def test_sweep_validates_every_point_before_running(tmp_path):
     assert res.returncode != 0
     assert "m2_threshold" in res.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_fipo_at_fixed_staleness_4_trains_with_active_influence_weights(tmp_path):
+    """actor.loss=fipo, Stale-4 FIFO: the FIPO metrics are logged every step, the influence weights sit at 1 while
+    the batch is on-policy (staleness 0: the ratio is 1 up to engine noise) and move off 1 once it is stale. A longer
+    warm start than the other runs, so that some groups get rewards and the loss has something to train on."""
+    from stalerl.trainer import Trainer
+
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{
+        "rollout.fixed_staleness": 4, "actor.loss": "fipo", "total_train_steps": 8, "evaluator.freq_steps": 8,
+        "warm_start.steps": 150})])
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.train()
+    rows = read_metrics(Path(cfg.cluster.fileroot) / cfg.experiment_name / cfg.trial_name)[1:]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 4, 4, 4, 4]
+    keys = ("influence_weights_mean_raw", "influence_weight_clip_ratio_upper", "influence_weight_clip_ratio_lower",
+            "sequence_drop_ratio")
+    for r in rows:
+        for k in keys:
+            assert f"actor/fipo/{k}" in r, k
+    assert sum(r["actor/grad_norm"] > 0 for r in rows) >= 2  # the loss trained (nonzero advantages, gradients)
+    fresh, stale = rows[0], rows[1:]
+    assert abs(fresh["actor/fipo/influence_weights_mean_raw"] - 1.0) < 1e-3
+    assert fresh["actor/fipo/influence_weight_clip_ratio_upper"] == 0.0
+    for r in stale:
+        assert r["actor/fipo/influence_weight_clip_ratio_upper"] > 0.0, r  # some weights at 1 + eps_f
+    assert max(abs(r["actor/fipo/influence_weights_mean_raw"] - 1.0) for r in stale) > 5e-3

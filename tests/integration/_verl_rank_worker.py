@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import _verl_cases as C  # noqa: E402  (torch only)
 
-NAMES = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region"}
+NAMES = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region", "fipo": "fipo"}
 
 
 def main() -> None:

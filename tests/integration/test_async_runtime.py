@@ -34,7 +34,8 @@ def _rows(tmp_path, trial):
     return read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / trial)
 
 
-KEYS = ("reward", "actor/loss", "actor/grad_norm", "actor/m2po/masked_fraction", "response_length")
+KEYS = ("reward", "reward/generated", "reward/consumed", "actor/loss", "actor/grad_norm", "actor/m2po/masked_fraction",
+        "response_length")
 
 
 def test_bound_holds_and_is_used(tmp_path):

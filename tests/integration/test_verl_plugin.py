@@ -53,7 +53,7 @@ pytestmark = [
 ]
 
 TAU = 0.03
-NAMES = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region"}
+NAMES = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region", "fipo": "fipo"}
 KEY = "actor_rollout_ref.actor.policy_loss"
 SUBPROCESS_TIMEOUT = 420
 
@@ -247,7 +247,7 @@ def test_ray_worker_process_registers_on_import_verl(verl_env):
 
         import recipe.registry
 
-        names = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region"}
+        names = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region", "fipo": "fipo"}
         return {"pid": os.getpid(), "recipe_before": before,
                 "identity": {n: get_policy_loss_fn(n) is recipe.registry.get_policy_loss_fn(r)
                              for n, r in names.items()}}

@@ -39,7 +39,7 @@ def _updated_params(model, batch, adv, **overrides):
     return [p.detach().clone() for p in m.parameters()], metrics
 
 
-@pytest.mark.parametrize("loss", ["m2po", "vanilla", "no_trust_region"])
+@pytest.mark.parametrize("loss", ["m2po", "vanilla", "no_trust_region", "fipo"])
 def test_micro_batch_split_does_not_change_the_update(tiny_policy, loss):
     model, tok = tiny_policy
     batch, adv = _stale_batch(model, tok)
@@ -56,6 +56,11 @@ def test_micro_batch_split_does_not_change_the_update(tiny_policy, loss):
         # the mask was chosen once over the mini-batch: the same tokens are masked, however it is split
         assert m_whole["actor/m2po/num_masked_tokens"] == m_split["actor/m2po/num_masked_tokens"]
         assert m_whole["actor/m2po/num_masked_tokens"] > 0
+    if loss == "fipo":
+        # FIPO's Future-KL, weights and drop are per row: a row split keeps them, and they are active here
+        assert m_whole["actor/fipo/influence_weight_clip_ratio_upper"] > 0
+        assert m_whole["actor/fipo/influence_weight_clip_ratio_upper"] == pytest.approx(
+            m_split["actor/fipo/influence_weight_clip_ratio_upper"], rel=1e-6)
 
 
 def test_ppo_minibatches_take_several_optimizer_steps(tiny_policy):

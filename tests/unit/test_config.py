@@ -339,6 +339,52 @@ def test_suspicious_settings_warn():
         load_config([])  # defaults are warning-free
 
 
+@pytest.mark.parametrize("argv, key, words", [
+    (["actor.fipo_decay_rate=0"], "actor.fipo_decay_rate", "> 0.0"),
+    (["actor.fipo_clip_ratio_c=1.0"], "actor.fipo_clip_ratio_c", "> 1.0"),
+    (["actor.fipo_influence_clip_ratio=-0.1"], "actor.fipo_influence_clip_ratio", ">= 0.0"),
+    (["actor.fipo_safety_threshold=0"], "actor.fipo_safety_threshold", "> 0.0"),
+    (["actor.fipo_influence_clip_high_only=maybe"], "actor.fipo_influence_clip_high_only", "bool"),
+    (["actor.loss=fipo", "actor.fipo_clip_ratio_c=1.2", "actor.eps_clip_higher=0.28"], "actor.fipo_clip_ratio_c",
+     "c > 1 + the upper PPO clip range (1 + 0.28)"),
+    (["actor.loss=fipo", "actor.fipo_clip_ratio_c=1.1"], "actor.fipo_clip_ratio_c", "(1 + 0.2)"),
+    (["actor.loss=fipo", "actor.fipo_influence_clip_high_only=false", "actor.fipo_influence_clip_ratio=1.0"],
+     "actor.fipo_influence_clip_ratio", "must stay positive"),
+])
+def test_fipo_keys_validated_at_load(argv, key, words):
+    msg = error_of(argv + ["rollout.fixed_staleness=2"])
+    assert key in msg and words in msg
+
+
+def test_fipo_cross_rule_only_for_fipo_and_defaults_load():
+    # the c > 1 + eps_high rule concerns FIPO only; another loss ignores the key
+    assert load_config(["actor.fipo_clip_ratio_c=1.1"]).actor.fipo_clip_ratio_c == 1.1
+    a = load_config(["actor.loss=fipo", "rollout.fixed_staleness=4"]).actor
+    assert (a.loss, a.fipo_decay_rate, a.fipo_clip_ratio_c, a.fipo_influence_clip_ratio,
+            a.fipo_influence_clip_high_only, a.fipo_safety_threshold) == ("fipo", 32.0, 10.0, 0.2, True, 10.0)
+    from stalerl.actor import loss_config
+    from recipe.fipo import fipo_params_from_config
+
+    p = fipo_params_from_config(loss_config(load_config(["actor.loss=fipo", "actor.ppo_n_minibatches=2",
+                                                         "actor.fipo_decay_rate=8", "actor.eps_clip_higher=0.28",
+                                                         "actor.fipo_influence_clip_high_only=false"]).actor))
+    assert (p.decay_rate, p.eps_high, p.influence_clip_high_only) == (8.0, 0.28, False)
+
+
+def test_fipo_without_drift_warns():
+    with pytest.warns(ConfigWarning, match=r"actor.loss=fipo acts only through the drift.*fixed_staleness"):
+        load_config(["actor.loss=fipo"])
+    for drift in (["rollout.fixed_staleness=4"], ["rollout.max_head_offpolicyness=2"],
+                  ["actor.ppo_n_minibatches=2"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = load_config(["actor.loss=fipo", *drift])
+        assert C.fipo_has_drift(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(["actor.loss=vanilla"])  # only FIPO needs drift
+
+
 def test_direct_construction_is_validated():
     with pytest.raises(ConfigError, match="eps_clip"):
         C.ActorConfig(eps_clip=-1.0)

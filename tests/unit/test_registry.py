@@ -24,7 +24,7 @@ from recipe.registry import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUILTINS = ("m2po", "no_trust_region", "vanilla")
+BUILTINS = ("fipo", "m2po", "no_trust_region", "vanilla")
 VERL_PARAMS = ["old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config",
                "rollout_is_weights"]
 
@@ -177,7 +177,7 @@ def _top_level_imports(path: pathlib.Path) -> set[str]:
 
 
 @pytest.mark.parametrize("relpath", ["recipe/common.py", "recipe/registry.py", "recipe/m2po/algorithm.py",
-                                     "recipe/baselines/algorithm.py"])
+                                     "recipe/baselines/algorithm.py", "recipe/fipo/algorithm.py"])
 def test_recipe_modules_import_only_torch_and_stdlib(relpath):
     imported = _top_level_imports(ROOT / relpath)
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}

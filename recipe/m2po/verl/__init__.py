@@ -9,16 +9,18 @@ verl ``loss_mode``  function (the same object as in ``recipe.registry``)
 ``m2po``            ``recipe.m2po.algorithm.compute_policy_loss_m2po``
 ``stalerl_vanilla`` ``recipe.baselines.algorithm.compute_policy_loss_vanilla``
 ``no_trust_region`` ``recipe.baselines.algorithm.compute_policy_loss_no_trust_region``
+``fipo``            ``recipe.fipo.algorithm.compute_policy_loss_fipo``
 =================== ==========================================================
 
 Modules (verl is imported lazily, only by these):
 
 - :mod:`recipe.m2po.verl.plugin` -- registration (the entry point); fails loudly.
 - :mod:`recipe.m2po.verl.config` -- :class:`M2POPolicyLossConfig`, a ``PolicyLossConfig`` subclass with
-  ``m2_threshold`` and ``m2_scope``; selected with ``policy_loss._target_``; importing it registers the losses too.
+  ``m2_threshold`` and ``m2_scope``, and :class:`FIPOPolicyLossConfig` with the ``fipo_*`` keys; selected with
+  ``policy_loss._target_``; importing it registers the losses too.
 - :mod:`recipe.m2po.verl.cli` -- ``stalerl-verl-config-path``: the directory of the packaged Hydra config
-  ``m2po_trainer.yaml``, for ``python -m verl.trainer.main_ppo --config-path "$(stalerl-verl-config-path)"
-  --config-name m2po_trainer ...``.
+  ``m2po_trainer.yaml`` (and ``fipo_trainer.yaml``), for ``python -m verl.trainer.main_ppo --config-path
+  "$(stalerl-verl-config-path)" --config-name m2po_trainer ...``.
 
 This package itself imports no verl module, so ``stalerl-verl-config-path`` is fast.
 """
@@ -50,10 +52,13 @@ VERL_LOSS_NAMES = {
     "m2po": "m2po",
     "stalerl_vanilla": "vanilla",
     "no_trust_region": "no_trust_region",
+    "fipo": "fipo",
 }
 
 #: ``_target_`` of the policy-loss config, as written in the packaged Hydra config.
 POLICY_LOSS_CONFIG_TARGET = "recipe.m2po.verl.config.M2POPolicyLossConfig"
+#: The same for FIPO (``fipo_trainer.yaml``).
+FIPO_POLICY_LOSS_CONFIG_TARGET = "recipe.m2po.verl.config.FIPOPolicyLossConfig"
 
 
 def config_dir() -> Path:
@@ -69,12 +74,12 @@ def register() -> dict[str, object]:
 
 
 def __getattr__(name: str):
-    if name == "M2POPolicyLossConfig":
-        from recipe.m2po.verl.config import M2POPolicyLossConfig
+    if name in ("M2POPolicyLossConfig", "FIPOPolicyLossConfig"):
+        from recipe.m2po.verl import config
 
-        return M2POPolicyLossConfig
+        return getattr(config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["INSTALL_HINT", "VERL_LOSS_NAMES", "POLICY_LOSS_CONFIG_TARGET", "M2POPolicyLossConfig", "config_dir",
-           "register"]
+__all__ = ["INSTALL_HINT", "VERL_LOSS_NAMES", "POLICY_LOSS_CONFIG_TARGET", "FIPO_POLICY_LOSS_CONFIG_TARGET",
+           "M2POPolicyLossConfig", "FIPOPolicyLossConfig", "config_dir", "register"]

@@ -1,4 +1,5 @@
-"""``M2POPolicyLossConfig``: verl's ``PolicyLossConfig`` plus the M2PO keys, validated at config time.
+"""``M2POPolicyLossConfig`` and ``FIPOPolicyLossConfig``: verl's ``PolicyLossConfig`` plus the M2PO (FIPO) keys,
+validated at config time.
 
 Select it in a verl config with::
 
@@ -17,6 +18,13 @@ Keys (under ``actor_rollout_ref.actor.policy_loss``):
   micro-batch per GPU; ``local`` selects over that micro-batch, ``dp_group`` over that micro-batch on every rank of
   the default process group (exact Algorithm 1 over the whole mini-batch when each GPU runs one micro-batch per
   mini-batch). ``dp_group`` needs the default group to be the data-parallel group (FSDP, no Ulysses SP).
+
+FIPO (``_target_: recipe.m2po.verl.config.FIPOPolicyLossConfig``, ``loss_mode: fipo``; packaged as
+``fipo_trainer.yaml``): ``fipo_decay_rate`` (> 0, default 32), ``fipo_clip_ratio_c`` (> 1, default 10),
+``fipo_influence_clip_ratio`` (>= 0, default 0.2), ``fipo_influence_clip_high_only`` (bool, default true),
+``fipo_safety_threshold`` (> 0, default 10); see recipe/fipo/algorithm.py. The PPO clip is the actor's
+``clip_ratio_low`` / ``clip_ratio_high``; the rule ``fipo_clip_ratio_c > 1 + clip_ratio_high`` spans the actor and
+its policy_loss, so it is checked by the loss on its first call (a ValueError naming both keys).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 from verl.workers.config import PolicyLossConfig
 
+from recipe.fipo.algorithm import FIPOParams
 from recipe.m2po.algorithm import DEFAULT_M2_THRESHOLD, SCOPES
 from recipe.m2po.verl.plugin import register as _register
 
@@ -62,4 +71,46 @@ class M2POPolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"{KEY_PREFIX}.loss_mode must be a non-empty string, got {self.loss_mode!r}")
 
 
-__all__ = ["M2POPolicyLossConfig"]
+def _number(name: str, value, *, minimum: float, inclusive: bool) -> float:
+    relation = ">=" if inclusive else ">"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (value < minimum if inclusive else value <= minimum):
+        raise ValueError(f"{KEY_PREFIX}.{name} must be a finite number {relation} {minimum}, got {value!r} "
+                         f"({type(value).__name__})")
+    return float(value)
+
+
+_FIPO_DEFAULTS = FIPOParams()
+
+
+@dataclass
+class FIPOPolicyLossConfig(PolicyLossConfig):
+    """verl ``PolicyLossConfig`` with the FIPO keys (see the module docstring and recipe/fipo/algorithm.py)."""
+
+    loss_mode: str = "fipo"
+    fipo_decay_rate: float = _FIPO_DEFAULTS.decay_rate
+    fipo_clip_ratio_c: float = _FIPO_DEFAULTS.clip_ratio_c
+    fipo_influence_clip_ratio: float = _FIPO_DEFAULTS.influence_clip_ratio
+    fipo_influence_clip_high_only: bool = _FIPO_DEFAULTS.influence_clip_high_only
+    fipo_safety_threshold: float = _FIPO_DEFAULTS.safety_threshold
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        for name, minimum, inclusive in (("fipo_decay_rate", 0.0, False), ("fipo_clip_ratio_c", 1.0, False),
+                                         ("fipo_influence_clip_ratio", 0.0, True),
+                                         ("fipo_safety_threshold", 0.0, False)):
+            # BaseConfig freezes fields after __init__; normalise ints to float in place.
+            object.__setattr__(self, name, _number(name, getattr(self, name), minimum=minimum, inclusive=inclusive))
+        if not isinstance(self.fipo_influence_clip_high_only, bool):
+            raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_high_only must be true or false, got "
+                             f"{self.fipo_influence_clip_high_only!r}")
+        if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
+            raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_ratio must be < 1 when "
+                             f"fipo_influence_clip_high_only is false, got {self.fipo_influence_clip_ratio}")
+        if not isinstance(self.loss_mode, str) or not self.loss_mode:
+            raise ValueError(f"{KEY_PREFIX}.loss_mode must be a non-empty string, got {self.loss_mode!r}")
+
+
+__all__ = ["FIPOPolicyLossConfig", "M2POPolicyLossConfig"]

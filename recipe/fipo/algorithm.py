@@ -1,0 +1,269 @@
+"""FIPO (Future-KL Influenced Policy Optimization; Ma et al., arXiv 2603.19835) as a policy loss. Pure torch.
+
+Per token t of a response, with d_t = clamp(log pi_theta - log pi_old, -20, 20) and r_t = exp(d_t):
+
+1. Participation: P_t = [d_t <= ln c] (tokens whose ratio is already above the dual-clip constant c are left out).
+2. Discounted Future-KL, forward in time and including t:
+   ``F_t = sum_{k >= t} gamma^(k-t) M_k P_k d_k`` with gamma = 2^(-1/decay_rate); the distance counts positions
+   (masked positions add nothing but still stretch the distance). Computed in fp32 without gradient by an O(B*T)
+   reverse scan (:func:`discounted_future_sum`), never by the closed form ``gamma^-t * revcumsum(gamma^k x_k)``,
+   whose gamma^-t overflows for long responses.
+3. Influence weight w = exp(F) clipped: high-only ``[1, 1+eps_f]`` (default), symmetric ``[1-eps_f, 1+eps_f]``, or
+   eps_f == 0: ``(0, 10]``. Safety reset: where A < 0 and r > safety_threshold, ``w = clamp(w, 0.8, 1.0)``. The
+   weight is detached: no gradient flows through F.
+4. Dual-clip PPO surrogate on Â = A w: ``Lc = max(-Â r, -Â clip(r, 1-eps_low, 1+eps_high))``, and for Â < 0
+   ``min(Lc, -Â c)``. The gradient of an unclipped token is ``-A w r``.
+5. Sequence drop: a row with more than one valid A < 0 token with r > c is removed from the loss mask (one is
+   tolerated: its gradient is already zero).
+6. Aggregation: :func:`recipe.common.agg_loss` over the post-drop loss mask, like every loss here.
+
+Thresholds are compared on the log scale, in fp32: "r > c" means ``d > fp32(ln c)``, so a token at exactly
+d == ln c participates in the Future-KL and is neither dropped nor counted as a low-clip token; the safety test
+is ``d > fp32(ln safety_threshold)``.
+
+Normalisation, ours beside the reference's. The reference (the authors' verl code, and the TRL port) divides each
+micro-batch's loss by the tokens *kept after the drop in that micro-batch* ("bnpo-style" local mean; TRL then divides
+by the gradient-accumulation steps). Here ``token-mean`` called alone (no ``global_batch_info``) does exactly that:
+dropped rows leave both the sum and the count. Inside the stalerl actor and verl's ``ppo_loss`` the count is the
+caller's ``batch_num_tokens``: every valid token of the optimizer mini-batch (over all micro-batches and ranks),
+computed before the loss, so dropped rows leave the numerator but stay in the denominator. That is the price of
+an update that does not depend on how the mini-batch is split: the weights, the drop and the per-row sums are per
+row, so splitting by rows with a global denominator gives exactly the whole mini-batch's loss and gradient, whereas
+the reference's per-micro-batch denominator changes with the split.
+
+Config keys (stalerl ``actor.*``; verl ``actor_rollout_ref.actor.policy_loss.*``; TRL GRPOConfig names):
+``fipo_decay_rate`` (32), ``fipo_clip_ratio_c`` (10, must exceed 1 + eps_high), ``fipo_influence_clip_ratio``
+(0.2), ``fipo_influence_clip_high_only`` (true), ``fipo_safety_threshold`` (10; a value >= e^20 ~ 4.9e8 never fires,
+because d is clamped to 20). PPO clip: ``clip_ratio_low`` / ``clip_ratio`` / ``eps_clip`` (0.2) and
+``clip_ratio_high`` / ``eps_clip_higher`` (default: the low value). TRL's ``fipo_chunk_size`` has no equivalent:
+the scan needs no chunking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from recipe.common import (
+    LOG_RATIO_CLAMP,
+    agg_loss,
+    cfg_lookup,
+    check_inputs,
+    global_batch_info,
+    masked_log_ratio,
+    read_float,
+    clamp_log_ratio,
+)
+
+METRIC_KEYS = (
+    "fipo/influence_weights_mean_raw",
+    "fipo/influence_weight_clip_ratio_upper",
+    "fipo/influence_weight_clip_ratio_lower",
+    "fipo/sequence_drop_ratio",
+)
+
+DEFAULT_DECAY_RATE = 32.0
+DEFAULT_CLIP_RATIO_C = 10.0
+DEFAULT_INFLUENCE_CLIP_RATIO = 0.2
+DEFAULT_SAFETY_THRESHOLD = 10.0
+#: eps_f == 0 mode: the weight is only capped from above, at this value.
+UNCLIPPED_WEIGHT_MAX = 10.0
+#: Safety reset range for A < 0 tokens whose ratio exceeds the safety threshold.
+SAFETY_RESET_RANGE = (0.8, 1.0)
+#: F is clamped to this before exp() *for the raw-mean metric only*, so the metric stays finite (the reference's can
+#: read inf); the weights use the unclamped exp, whose inf the clip absorbs.
+RAW_METRIC_LOG_CLAMP = 20.0
+#: Block length of the blocked reverse scan; any value gives the same result (up to fp32 rounding).
+SCAN_BLOCK = 64
+
+
+def _keys(name: str) -> tuple[str, ...]:
+    return (f"policy_loss.{name}", name)
+
+
+@dataclass(frozen=True)
+class FIPOParams:
+    decay_rate: float = DEFAULT_DECAY_RATE
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C
+    influence_clip_ratio: float = DEFAULT_INFLUENCE_CLIP_RATIO
+    influence_clip_high_only: bool = True
+    safety_threshold: float = DEFAULT_SAFETY_THRESHOLD
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+
+    @property
+    def gamma(self) -> float:
+        return 2.0 ** (-1.0 / self.decay_rate)
+
+    def weight_bounds(self) -> tuple[Optional[float], float]:
+        """(lower, upper) clip bounds of the influence weight; lower is None in the eps_f == 0 mode."""
+        eps = self.influence_clip_ratio
+        if eps == 0.0:
+            return None, UNCLIPPED_WEIGHT_MAX
+        return (1.0 if self.influence_clip_high_only else 1.0 - eps), 1.0 + eps
+
+    def validate(self, where: str = "") -> "FIPOParams":
+        """Cross-key rules; ``where`` prefixes the key names in messages (e.g. ``actor.``)."""
+        if self.clip_ratio_c <= 1.0 + self.eps_high:
+            raise ValueError(
+                f"{where}fipo_clip_ratio_c must be > 1 + eps_high = {1.0 + self.eps_high} (FIPO's sequence drop and "
+                f"Future-KL filter assume the dual clip sits above the PPO clip), got {self.clip_ratio_c}. Fix: set "
+                f"{where}fipo_clip_ratio_c=10.")
+        if not self.influence_clip_high_only and self.influence_clip_ratio >= 1.0:
+            raise ValueError(
+                f"{where}fipo_influence_clip_ratio must be < 1 in symmetric mode (fipo_influence_clip_high_only=false: "
+                f"the lower bound 1 - eps_f must stay positive), got {self.influence_clip_ratio}. Fix: set it to 0.2.")
+        return self
+
+
+def fipo_params_from_config(config: Any) -> FIPOParams:
+    """Read and validate the FIPO keys (``policy_loss.<key>`` first, then ``<key>``) and the PPO clip."""
+    high_only, path = cfg_lookup(config, _keys("fipo_influence_clip_high_only"), True)
+    if not isinstance(high_only, bool):
+        raise ValueError(f"{path} must be true or false, got {high_only!r} ({type(high_only).__name__})")
+    low = read_float(config, ("clip_ratio_low", "clip_ratio", "eps_clip"), 0.2, minimum=0.0)
+    high = read_float(config, ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"), low, minimum=0.0)
+    return FIPOParams(
+        decay_rate=read_float(config, _keys("fipo_decay_rate"), DEFAULT_DECAY_RATE, minimum=0.0,
+                              minimum_inclusive=False),
+        clip_ratio_c=read_float(config, _keys("fipo_clip_ratio_c"), DEFAULT_CLIP_RATIO_C, minimum=1.0,
+                                minimum_inclusive=False),
+        influence_clip_ratio=read_float(config, _keys("fipo_influence_clip_ratio"), DEFAULT_INFLUENCE_CLIP_RATIO,
+                                        minimum=0.0),
+        influence_clip_high_only=high_only,
+        safety_threshold=read_float(config, _keys("fipo_safety_threshold"), DEFAULT_SAFETY_THRESHOLD, minimum=0.0,
+                                    minimum_inclusive=False),
+        eps_low=low,
+        eps_high=high,
+    ).validate()
+
+
+# ------------------------------------------------------------------------------------------------ Future-KL
+
+
+def _scan_small(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """F_t = x_t + gamma F_{t+1} along the last dim, one column at a time (short sequences)."""
+    out = torch.empty_like(x)
+    if x.shape[-1] == 0:
+        return out
+    acc = torch.zeros_like(x[..., 0])
+    for t in range(x.shape[-1] - 1, -1, -1):
+        acc = x[..., t] + gamma * acc
+        out[..., t] = acc
+    return out
+
+
+@torch.no_grad()
+def discounted_future_sum(x: torch.Tensor, gamma: float, block: int = SCAN_BLOCK) -> torch.Tensor:
+    """``F_t = sum_{k >= t} gamma^(k-t) x_k`` along the last dim, in fp32, no grad, O(numel) work.
+
+    A blocked reverse scan: the recurrence F_t = x_t + gamma F_{t+1} runs inside blocks of ``block`` positions (all
+    blocks at once), the blocks' carries are the same scan one level up (factor gamma^block), recursively, so the
+    Python loop has about ``block * log_block(T)`` steps. Only powers gamma^1 .. gamma^block <= 1 appear: nothing can
+    overflow, unlike the closed form.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if block < 2:
+        raise ValueError(f"block must be >= 2, got {block}")
+    x = x.detach().float()
+    t = x.shape[-1]
+    if t <= block:
+        return _scan_small(x, gamma)
+    n_blocks = -(-t // block)
+    pad = n_blocks * block - t
+    xb = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], n_blocks, block)
+    local = _scan_small(xb, gamma)  # the sum restricted to each block
+    # carry[n] = F at the first position of block n+1 (0 after the last block): a scan over the blocks' heads
+    heads = local[..., 0]
+    suffix = discounted_future_sum(heads, gamma ** block, block)
+    carry = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1)
+    # F at offset i of block n = local + gamma^(block - i) * carry[n]
+    decay = gamma ** torch.arange(block, 0, -1, dtype=torch.float64, device=x.device)
+    out = local + carry.unsqueeze(-1) * decay.to(torch.float32)
+    return out.reshape(*x.shape[:-1], n_blocks * block)[..., :t]
+
+
+@dataclass
+class FIPOWeights:
+    """No-grad per-token quantities of one FIPO call (all (B, T))."""
+
+    future_kl: torch.Tensor
+    weights: torch.Tensor
+    loss_mask: torch.Tensor
+    dropped_rows: torch.Tensor  # (B,) bool
+    metrics: dict[str, float]
+
+
+@torch.no_grad()
+def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                 params: FIPOParams) -> FIPOWeights:
+    """Future-KL, clipped and safety-reset influence weights, the post-drop loss mask and the metrics."""
+    d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), device=valid.device))
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    log_c = torch.tensor(math.log(params.clip_ratio_c), dtype=torch.float32, device=d.device)
+    above_c = valid & (d > log_c)
+    contrib = torch.where(valid & ~above_c, d, torch.zeros_like(d))
+    future_kl = discounted_future_sum(contrib, params.gamma)
+
+    w_raw = torch.exp(future_kl)
+    lower, upper = params.weight_bounds()
+    w = w_raw.clamp(min=lower, max=upper)
+    log_safety = torch.tensor(math.log(params.safety_threshold), dtype=torch.float32, device=d.device)
+    reset = (adv < 0) & (d > log_safety)
+    w = torch.where(reset, w.clamp(*SAFETY_RESET_RANGE), w)
+    w = torch.where(valid, w, torch.ones_like(w))
+
+    low_clip_tokens = (above_c & (adv < 0)).sum(dim=-1)
+    dropped = low_clip_tokens > 1
+    loss_mask = valid & ~dropped.unsqueeze(-1)
+
+    n_valid = valid.sum().clamp(min=1).float()
+    raw_mean = torch.where(valid, torch.exp(future_kl.clamp(max=RAW_METRIC_LOG_CLAMP)), torch.zeros_like(w)).sum()
+    at_upper = (valid & (w >= upper)).sum().float()
+    at_lower = (valid & (w <= lower)).sum().float() if lower is not None else torch.zeros((), device=d.device)
+    drop_ratio = dropped.float().sum() / max(1, dropped.numel())
+    stats = torch.stack([raw_mean / n_valid, at_upper / n_valid, at_lower / n_valid, drop_ratio]).tolist()
+    return FIPOWeights(future_kl=future_kl, weights=w, loss_mask=loss_mask, dropped_rows=dropped,
+                       metrics=dict(zip(METRIC_KEYS, stats)))
+
+
+def fipo_per_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+                        params: FIPOParams) -> torch.Tensor:
+    """The dual-clip PPO surrogate on the reweighted advantage A * w (w detached), per token, with grad."""
+    ratio = torch.exp(clamp_log_ratio(log_ratio))
+    adv_hat = advantages.detach().float() * weights.detach()
+    loss_unclipped = -adv_hat * ratio
+    loss_clipped = -adv_hat * torch.clamp(ratio, 1.0 - params.eps_low, 1.0 + params.eps_high)
+    clipped = torch.maximum(loss_unclipped, loss_clipped)
+    return torch.where(adv_hat < 0, torch.minimum(clipped, -adv_hat * params.clip_ratio_c), clipped)
+
+
+def compute_policy_loss_fipo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """FIPO with verl's policy-loss signature (see the module docstring)."""
+    params = fipo_params_from_config(config)
+    valid = check_inputs("fipo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    d = masked_log_ratio(old_log_prob, log_prob, valid)
+    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    fw = fipo_weights(d, adv, valid, params)
+    per_token = fipo_per_token_loss(d, adv, fw.weights, params)
+    if rollout_is_weights is not None:
+        per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(per_token))
+    loss = agg_loss(per_token, fw.loss_mask, loss_agg_mode, **global_batch_info(config))
+    return loss, fw.metrics
+
+
+__all__ = ["METRIC_KEYS", "FIPOParams", "FIPOWeights", "compute_policy_loss_fipo", "discounted_future_sum",
+           "fipo_params_from_config", "fipo_per_token_loss", "fipo_weights"]

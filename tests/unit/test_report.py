@@ -1,0 +1,364 @@
+"""stalerl.report / report_stats / run_summary / study: the multi-seed study pipeline on synthetic run directories."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import CPU_CONFIG, REPO, small_overrides
+from stalerl.config import load_config
+from stalerl.report import build, group, load_summaries, main as report_main, replace_block
+from stalerl.report_stats import format_estimate, mean_interval, t_quantile_975
+from stalerl.run_summary import build_summary, downsample, setting_of, summarize_metrics, write_summary
+
+
+# ------------------------------------------------------------------------------------------------ intervals
+def _t_cdf_literal(q: float, df: int, n: int = 200_000) -> float:
+    """P(T <= q) by Simpson's rule on Student's t density (a slow, literal reference)."""
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+    h = q / n
+    s = f(0) + f(q) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
+    return 0.5 + s * h / 3
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 9, 29, 30, 31, 45, 100])
+def test_t_quantile_matches_literal_integration(df):
+    assert _t_cdf_literal(t_quantile_975(df), df) == pytest.approx(0.975, abs=2e-5)
+
+
+def test_mean_interval_against_literal_arithmetic():
+    xs = [0.1, 0.3, 0.2, 0.5, 0.4]
+    mean = sum(xs) / 5
+    s = math.sqrt(sum((x - mean) ** 2 for x in xs) / 4)
+    est = mean_interval(xs)
+    assert est.mean == pytest.approx(0.3)
+    assert est.half_width == pytest.approx(2.776445 * s / math.sqrt(5), rel=1e-6)
+    assert format_estimate(est) == "0.300 ± 0.196"
+    one = mean_interval([0.42])
+    assert one.half_width is None and format_estimate(one) == "0.420 (n=1)"
+    assert format_estimate(mean_interval([])) == "-"
+    assert format_estimate(mean_interval([0.2, 0.2])) == "0.200 ± 0.000"
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+def _metrics(steps: int, acc_end: float, reward_scale: float, staleness: int) -> list[dict]:
+    rows = [{"step": 0, "warm_start/steps": 10.0, "warm_start/final_loss": 0.5, "eval/accuracy": 0.1}]
+    for s in range(1, steps + 1):
+        hist = [0] * staleness + [32]
+        rows.append({"step": s, "reward": reward_scale * s / steps, "reward/consumed": reward_scale * s / steps,
+                     "reward/generated": reward_scale * (s + staleness) / steps, "actor/grad_norm": 1.0 + s % 3,
+                     "staleness/avg": float(staleness), "staleness/max": float(staleness), "staleness/hist": hist,
+                     "actor/m2po/masked_fraction": 0.01, "timing/step_s": 0.5})
+        if s % 5 == 0:
+            rows.append({"step": s, "eval/accuracy": acc_end * s / steps})
+    return rows
+
+
+def _summary(tmp_path: Path, loss: str, seed: int, stale: int, acc: float, *, status: str = "finished",
+             error: str | None = None, extra: tuple = ()) -> dict:
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path), f"actor.loss={loss}", f"seed={seed}",
+                       f"rollout.fixed_staleness={stale}", f"trial_name={loss}-s{stale}-seed{seed}", *extra])
+    return build_summary(cfg, status=status, wall_s=12.5, error=error, rows=_metrics(20, acc, 0.5, stale))
+
+
+def _write_runs(root: Path, summaries: list[dict]) -> Path:
+    for s in summaries:
+        write_summary(root / s["run"] / "summary.json", s)
+    return root
+
+
+def test_summary_fields_from_metrics(tmp_path):
+    s = _summary(tmp_path, "m2po", 1, 4, 0.8)
+    assert (s["status"], s["seed"], s["loss"], s["setting"], s["dXdY"], s["rollout_R"]) == (
+        "finished", 1, "m2po", "fixed_staleness 4", "d1+d1", 8)
+    assert s["eval"] == {"initial": 0.1, "final": 0.8, "final_step": 20, "best": 0.8, "best_step": 20}
+    assert s["reward"]["consumed"] == {"first": 0.0375, "last": 0.4875, "steps": 2}  # means of steps 1-2, 19-20
+    assert s["reward"]["generated"]["last"] == pytest.approx(0.5 * (19.5 + 4) / 20)
+    assert s["staleness"] == {"mean": 4.0, "max": 4, "hist": [0, 0, 0, 0, 32 * 20]}
+    assert s["fractions"] == {"m2po/masked_fraction": 0.01}
+    assert s["grad_norm"]["max"] == 3.0
+    assert s["warm_start"] == {"steps": 10.0, "final_loss": 0.5}
+    assert s["machine"]["cores"] and s["machine"]["torch"]
+    # Seeds of one setting share setting_digest; another loss does not.
+    assert _summary(tmp_path, "m2po", 2, 4, 0.8)["setting_digest"] == s["setting_digest"]
+    assert _summary(tmp_path, "vanilla", 1, 4, 0.8)["setting_digest"] != s["setting_digest"]
+    assert _summary(tmp_path, "m2po", 2, 4, 0.8)["config_digest"] != s["config_digest"]
+
+
+def test_downsample_is_bounded_and_keeps_the_last_step():
+    pts = [(i, float(i)) for i in range(1, 301)]
+    d = downsample(pts, 60)
+    assert len(d) == 60 and d[-1] == [300, 298.0] and d[0] == [5, 3.0]
+    assert downsample(pts[:10], 60) == [[i, float(i)] for i in range(1, 11)]
+    assert len(summarize_metrics(_metrics(300, 0.5, 1.0, 0))["curves"]["reward/consumed"]) == 60
+
+
+def test_areal_setting_names():
+    def d(**ro):
+        base = {"backend": "hf:d1", "max_concurrent_rollouts": None, "consumer_batch_size": 32, "fixed_staleness": 0,
+                "max_head_offpolicyness": 0, "mode": "auto"}
+        return {"rollout": {**base, **ro}, "actor": {"backend": "torch:d1"}}
+
+    assert setting_of(d(max_head_offpolicyness=16, backend="hf:d2", max_concurrent_rollouts=64))["setting"] == \
+        "stale 16 d2+d1 rollout 64"
+    assert setting_of(d(max_head_offpolicyness=4))["setting"] == "stale 4 d1+d1 rollout 32"  # R = batch size
+    assert setting_of(d(fixed_staleness=4))["setting"] == "fixed_staleness 4"
+    assert setting_of(d())["mode"] == "sync"
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _grid(tmp_path: Path) -> Path:
+    out = []
+    for loss in ("m2po", "vanilla"):
+        for seed in (1, 2, 3):
+            if loss == "vanilla" and seed == 3:
+                continue  # missing
+            status, err = ("failed", "RuntimeError: boom") if (loss, seed) == ("vanilla", 2) else ("finished", None)
+            out.append(_summary(tmp_path, loss, seed, 4, 0.3 + 0.1 * seed, status=status, error=err))
+    return _write_runs(tmp_path / "runs", out)
+
+
+def _row(block: str, setting: str, method: str) -> list[str]:
+    for line in block.splitlines():
+        cols = [c.strip() for c in line.strip("|").split("|")]
+        if cols[:2] == [setting, method]:
+            return cols
+    raise AssertionError(f"no row {setting} / {method} in\n{block}")
+
+
+def test_report_means_intervals_missing_and_failed(tmp_path):
+    root = _grid(tmp_path)
+    block, figs = build([root], study="toy", seeds=[1, 2, 3], figures=False)
+    m2po = _row(block, "fixed_staleness 4", "m2po")
+    assert m2po[2] == "3/3"
+    assert m2po[3] == format_estimate(mean_interval([0.4, 0.5, 0.6]))  # final eval accuracy
+    assert m2po[-1] == "-"
+    vanilla = _row(block, "fixed_staleness 4", "vanilla")
+    assert vanilla[2] == "1/3"
+    assert vanilla[3] == "0.400 (n=1)"
+    assert vanilla[-1] == "seed 2 failed (RuntimeError: boom); missing seed 3"
+    assert "Student-t" in block
+    # A cell whose every run failed is shown as failed, not dropped.
+    only_failed = [s for s in load_summaries([root]) if s["loss"] == "vanilla" and s["seed"] == 2]
+    cells = group(only_failed, seeds=[2])
+    assert [c.value("eval.final") for c in cells] == ["failed"]
+
+
+def test_report_update_doc_is_byte_exact_and_checkable(tmp_path):
+    pytest.importorskip("matplotlib")
+    root = _grid(tmp_path)
+    results = tmp_path / "docs" / "results" / "toy"
+    results.mkdir(parents=True)
+    for f in root.rglob("summary.json"):  # collected like stalerl-study does
+        shutil.copy(f, results / f"{f.parent.name}.json")
+    (results / "study.json").write_text(json.dumps({"name": "toy", "title": "Toy", "seeds": [1, 2, 3],
+                                                    "settings": ["fixed_staleness 4"], "methods": ["vanilla", "m2po"],
+                                                    "wall_s": 90.0, "command": "stalerl-study run toy.yaml"}))
+    doc = tmp_path / "docs" / "m2po.md"
+    doc.write_text("# Doc\n\nbefore\n<!-- results:begin toy -->\nold\n<!-- results:end toy -->\nafter\n")
+    assert report_main([str(results), "--update-doc", str(doc)]) == 0
+    first = doc.read_bytes()
+    text = first.decode()
+    assert text.startswith("# Doc\n\nbefore\n<!-- results:begin toy -->\n### Toy\n") and text.endswith(
+        "<!-- results:end toy -->\nafter\n")
+    assert "](results/toy/toy_eval_accuracy.png)" in text and (results / "toy_eval_accuracy.png").is_file()
+    assert text.index("| fixed_staleness 4 | vanilla") < text.index("| fixed_staleness 4 | m2po")  # study order
+    assert "wall time of the table: 1.5 min" in text
+    assert report_main([str(results), "--update-doc", str(doc), "--check"]) == 0
+    # Regenerating from a fresh copy of the committed summaries gives the same bytes.
+    copy = tmp_path / "clone"
+    shutil.copytree(tmp_path / "docs", copy)
+    copy_doc = copy / "m2po.md"
+    copy_doc.write_text(copy_doc.read_text().replace("### Toy", "### Edited by hand"))
+    assert report_main([str(copy / "results" / "toy"), "--update-doc", str(copy_doc), "--check"]) == 1
+    assert report_main([str(copy / "results" / "toy"), "--update-doc", str(copy_doc)]) == 0
+    assert copy_doc.read_bytes() == first
+    # Changing a summary makes the committed block stale.
+    f = next(results.glob("m2po-*seed1.json"))
+    d = json.loads(f.read_text())
+    d["eval"]["final"] = 0.99
+    f.write_text(json.dumps(d))
+    assert report_main([str(results), "--update-doc", str(doc), "--check"]) == 1
+
+
+def test_report_errors_name_the_fix(tmp_path, capsys):
+    with pytest.raises(ValueError, match="results:begin toy"):
+        replace_block("no markers\n", "toy", "x\n")
+    (tmp_path / "empty").mkdir()
+    assert report_main([str(tmp_path / "empty")]) == 2
+    assert "no run summaries" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("study_json", sorted((REPO / "docs" / "algorithms" / "results").glob("*/study.json")),
+                         ids=lambda p: p.parent.name)
+def test_committed_results_regenerate_the_doc_exactly(study_json):
+    """Every committed study block in docs/algorithms/m2po.md is what its committed summaries generate."""
+    assert report_main([str(study_json.parent), "--update-doc", str(REPO / "docs" / "algorithms" / "m2po.md"),
+                        "--check"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------ run summary hook
+def test_failed_run_still_writes_a_failed_summary(tmp_path, monkeypatch):
+    import stalerl.launcher as launcher
+
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path)])
+
+    class Boom:
+        def train(self):
+            raise RuntimeError("rollout worker died")
+
+    monkeypatch.setattr(launcher, "build_trainer", lambda cfg: Boom())
+    with pytest.raises(RuntimeError):
+        launcher.launch(cfg)
+    from stalerl.config import run_dir
+
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "failed" and s["error"] == "RuntimeError: rollout worker died"
+    assert s["steps_done"] == 0 and s["eval"]["final"] is None
+
+
+# ------------------------------------------------------------------------------------------------ study specs
+def test_study_specs_expand_and_validate(tmp_path):
+    from stalerl.study import StudyError, check_settings, expand, load_spec
+
+    spec = load_spec(REPO / "examples" / "math" / "study" / "staleness.yaml")
+    runs = expand(spec)
+    assert len(runs) == 3 * 4 * 5 and len({r["trial"] for r in runs}) == len(runs)
+    spec = load_spec(REPO / "examples" / "math" / "study" / "async.yaml")
+    assert list(spec["settings"]) == ["stale 4 d1+d1 rollout 32", "stale 16 d2+d1 rollout 64",
+                                      "stale 256 d2+d1 rollout 96"]
+    spec["seeds"], spec["losses"] = [1], ["m2po"]
+    assert len(check_settings(spec, expand(spec))) == 3  # every name is what its runs report
+    spec["settings"] = {"stale 4 d2+d1 rollout 32": spec["settings"]["stale 4 d1+d1 rollout 32"]}
+    with pytest.raises(StudyError, match="rename it to 'stale 4 d1\\+d1 rollout 32'"):
+        check_settings(spec, expand(spec))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nconfig: c.yaml\nlosses: [m2po]\nsettings: {a: []}\nseeds: [1]\nseedz: [2]\n")
+    with pytest.raises(StudyError, match="unknown key\\(s\\) seedz"):
+        load_spec(bad)
+    spec = load_spec(REPO / "examples" / "math" / "study" / "behavior_logp.yaml")
+    from stalerl.study import _method_labels
+
+    assert _method_labels(spec)[:2] == ["loss=m2po, behavior_logp=rollout", "loss=m2po, behavior_logp=recompute"]
+
+
+# ------------------------------------------------------------------------------------------------ reward logging
+@pytest.mark.parametrize("stale", [0, 2])
+def test_generated_and_consumed_rewards_are_logged_apart(tmp_path, stale):
+    """The batch consumed at step t+S is the one generated at step t (after the FIFO's first fill)."""
+    from stalerl.metrics_log import read_metrics
+    from stalerl.trainer import Trainer
+
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, total_train_steps=7,
+                                                                      **{"rollout.fixed_staleness": stale})])
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.train()
+    rows = {r["step"]: r for r in read_metrics(trainer.run_dir) if r["step"] > 0 and "reward/consumed" in r}
+    assert sorted(rows) == list(range(1, 8))
+    assert all(r["reward"] == r["reward/consumed"] for r in rows.values())  # documented alias
+    for t in range(2, 8 - stale):
+        assert rows[t + stale]["reward/consumed"] == rows[t]["reward/generated"]
+
+
+@pytest.mark.slow
+def test_study_runner_on_a_tiny_grid(tmp_path):
+    """Warm start once per seed, runs from the cached model, summaries collected, doc block written; the cached
+    warm start gives exactly the run an in-run warm start gives."""
+    from stalerl.launcher import launch
+    from stalerl.metrics_log import read_metrics
+    from stalerl.config import run_dir
+    from stalerl.study import load_spec, run_study
+
+    ovr = small_overrides(tmp_path, total_train_steps=4)
+    spec_file = tmp_path / "tiny.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "tiny", "config": str(CPU_CONFIG), "losses": ["m2po", "vanilla"], "seeds": [1, 2],
+        "settings": {"fixed_staleness 2": ["rollout.fixed_staleness=2"]}, "overrides": ovr, "parallel": 2,
+        "results": str(tmp_path / "docs" / "results" / "tiny"), "doc": str(tmp_path / "docs" / "m2po.md")}))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "m2po.md").write_text("<!-- results:begin tiny -->\n<!-- results:end tiny -->\n")
+    spec = load_spec(spec_file)
+    assert run_study(spec, spec_path=str(spec_file)) == 0
+    results = sorted(p.name for p in (tmp_path / "docs" / "results" / "tiny").glob("*.json"))
+    assert results == ["m2po-fixed_staleness_2-seed1.json", "m2po-fixed_staleness_2-seed2.json", "study.json",
+                       "vanilla-fixed_staleness_2-seed1.json", "vanilla-fixed_staleness_2-seed2.json"]
+    assert len(list((tmp_path / "runs" / "warm_start").iterdir())) == 2  # once per seed
+    doc = (tmp_path / "docs" / "m2po.md").read_text()
+    assert "| fixed_staleness 2 | m2po | 2/2 |" in doc and "| fixed_staleness 2 | vanilla | 2/2 |" in doc
+    summary = json.loads((tmp_path / "docs" / "results" / "tiny" / "m2po-fixed_staleness_2-seed1.json").read_text())
+    assert summary["status"] == "finished" and summary["warm_start"]["steps"] == 10.0
+    # The same run with its own warm start, directly.
+    cfg = load_config(["--config", str(CPU_CONFIG), *ovr, "actor.loss=m2po", "rollout.fixed_staleness=2", "seed=1",
+                       "trial_name=direct"])
+    launch(cfg)
+    direct = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert direct["setting_digest"] == summary["setting_digest"]
+    keys = ("reward/consumed", "reward/generated", "actor/grad_norm", "eval/accuracy")
+    cached_rows = read_metrics(run_dir(cfg).parent.parent / "study-tiny" / "m2po-fixed_staleness_2-seed1")
+    pick = lambda rows: [[r.get(k) for k in keys] for r in rows]  # noqa: E731
+    assert pick(read_metrics(run_dir(cfg))) == pick(cached_rows)
+
+
+# ------------------------------------------------------------------------------------------------ claims
+def _fake(loss: str, setting: str, seed: int, final: float, best: float, frac: float = 0.0, gn: float = 1.0) -> dict:
+    key = "m2po/masked_fraction" if loss == "m2po" else "vanilla/clip_fraction"
+    return {"schema": 1, "run": f"{loss}-{setting}-{seed}", "status": "finished", "seed": seed, "loss": loss,
+            "setting": setting, "eval": {"final": final, "best": best}, "fractions": {key: frac},
+            "grad_norm": {"mean": gn}}
+
+
+def test_staleness_claims_verdicts():
+    from stalerl.report_claims import render_claims
+
+    rows = []
+    for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        rows += [_fake("m2po", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("vanilla", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("no_trust_region", "fixed_staleness 0", seed, 0.5 + eps, 0.5 + eps),
+                 _fake("m2po", "fixed_staleness 16", seed, 0.5 + 2 * eps, 0.52, frac=0.001 + eps / 100),
+                 _fake("vanilla", "fixed_staleness 16", seed, 0.2 + eps, 0.3, frac=0.02 + eps / 100),
+                 _fake("no_trust_region", "fixed_staleness 16", seed, 0.1 + eps, 0.6 + eps)]
+    text = "\n".join(render_claims(group(rows), "staleness"))
+    assert "Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy at every S > 0): **holds**" in text
+    assert "No trust region prospers then collapses (at fixed_staleness 16, best minus final eval above 0): " \
+           "**holds** (drop 0.500 ± 0.000)" in text
+    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **consistent**" in text
+    assert "M2PO masks fewer tokens than clip clips (at every S > 0): **holds**" in text
+    # M2PO far below on-policy -> does not hold; one seed only -> inconclusive.
+    worse = [dict(r, eval={"final": 0.1 + r["seed"] / 100, "best": 0.2}) if (r["loss"], r["setting"]) == (
+        "m2po", "fixed_staleness 16") else r for r in rows]
+    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **does not hold**" in "\n".join(
+        render_claims(group(worse), "staleness"))
+    one = [r for r in rows if r["seed"] == 1]
+    assert "degrades with staleness (final eval below on-policy at every S > 0): **inconclusive**" in "\n".join(
+        render_claims(group(one), "staleness"))
+
+
+def test_async_claims_verdicts():
+    from stalerl.report_claims import render_claims
+
+    rows = []
+    for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        rows += [_fake("vanilla", "stale 4 d1+d1 rollout 32", seed, 0.3 + eps, 0.3, gn=2.0 + eps),
+                 _fake("m2po", "stale 4 d1+d1 rollout 32", seed, 0.3 - eps, 0.3, gn=1.0 + eps)]
+    text = "\n".join(render_claims(group(rows), "async"))
+    assert "GRPO's (vanilla) grad norm is higher than M2PO's (every setting): **holds**" in text
+    assert "M2PO's final eval accuracy is higher than GRPO's (vanilla) (every setting): **inconclusive**" in text
+
+
+@pytest.mark.parametrize("spec_path", sorted((REPO / "examples" / "math" / "study").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_study_spec_validates(spec_path):
+    """Every run of every shipped spec loads (a loss added to `losses` that does not exist fails here)."""
+    from stalerl.study import check_settings, expand, load_spec
+
+    spec = load_spec(spec_path)
+    assert spec["results"] == f"docs/algorithms/results/{spec['name']}"
+    runs = expand(spec)
+    assert len(check_settings(spec, runs)) == len(runs) >= 5
+    assert f"<!-- results:begin {spec['name']} -->" in (REPO / spec["doc"]).read_text()
