@@ -214,8 +214,11 @@ class ActorConfig(_Section):
     path: str = _f("tiny:qwen2", help="HF model directory (or hub name available offline), or tiny:qwen2 / "
                                       "tiny:llama for the embedded from-scratch model shaped by actor.tiny.")
     tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
-    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
-                                       "(plain/DDP) or fsdp.")
+    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>': torch = a full replica "
+                                       "per rank, gradients all-reduced in flattened buckets; fsdp = FSDP2, "
+                                       "parameters, gradients and optimizer state sharded over the Y ranks "
+                                       "(fsdp:d1 runs the torch engine). Y > 1 runs the asynchronous runtime. "
+                                       "Tensor/pipeline parallelism (t/p) are not supported.")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
                     help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
                          "trained parameters and the optimizer state are always float32 (master weights); "
@@ -277,14 +280,17 @@ class ActorConfig(_Section):
             if b.engine == "torch" and (b.tp > 1 or b.pp > 1):
                 out.append(("backend", f"got {self.backend!r}; the torch engine supports data parallelism only. "
                                        f"Fix: use torch:d{b.dp}."))
-            elif b.engine == "fsdp" and b.pp > 1:
-                out.append(("backend", f"got {self.backend!r}; fsdp does not support pipeline parallelism. "
-                                       f"Fix: use fsdp:d{b.dp}" + (f"t{b.tp}" if b.tp > 1 else "") + "."))
-        from recipe.common import LOSS_AGG_MODES  # lazy: recipe imports torch
-        from recipe.registry import registered_policy_losses
+            elif b.engine == "fsdp" and (b.tp > 1 or b.pp > 1):
+                # Tensor parallelism would need the model's layers rewritten as parallel linears (DTensor
+                # parallelize_module plans per architecture); sharding the same ranks with FSDP gives the same
+                # per-rank memory for weights, gradients and optimizer state at this runtime's model sizes.
+                out.append(("backend", f"got {self.backend!r}; the fsdp engine shards over data-parallel ranks "
+                                       "only: tensor and pipeline parallelism are not implemented. "
+                                       f"Fix: use fsdp:d{b.world_size} (FSDP over all {b.world_size} ranks)."))
+        from recipe.registry import LOSS_AGG_MODES, is_policy_loss_registered, registered_policy_losses
 
-        losses = registered_policy_losses()
-        if self.loss not in losses:
+        if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
+            losses = registered_policy_losses()
             out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
                                 f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
                                 "register yours with recipe.registry.register_policy_loss before load_config."))

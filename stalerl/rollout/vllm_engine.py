@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from stalerl.errors import UserError
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import RewardFn, _mask_through_first_eos
 
@@ -35,8 +36,12 @@ CPU_KV_CACHE_GB = 0.25  # rollout.vllm.kv_cache_memory_gb=null on a CPU build
 _SEED_MOD = 2**62
 
 
-class VLLMStartError(RuntimeError):
-    """vLLM could not start; the message carries vLLM's own error."""
+class VLLMNotInstalled(UserError, ImportError):
+    """rollout.backend=vllm without vllm importable (a user error: install the extra)."""
+
+
+class VLLMStartError(UserError, RuntimeError):
+    """vLLM could not start (bad option, not enough memory): a user error carrying vLLM's own message."""
 
 
 def import_vllm():
