@@ -126,14 +126,19 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
-    if ab.dp > 1 and not is_async(cfg):
+    if not is_async(cfg):
+        # The single-process loop hosts one engine and one train rank: dX / dY > 1 would silently run as d1.
         why = (f"rollout.fixed_staleness={ro.fixed_staleness} runs" if ro.fixed_staleness > 0
                else "rollout.mode=sync runs")
-        out.append(("actor.backend",
-                    f"got {actor.backend!r}; {ab.dp} train ranks exist only in the asynchronous runtime, and {why} "
-                    "the single-process loop, which would train on one rank. Fix: set rollout.fixed_staleness=0 "
-                    "rollout.mode=auto and rollout.max_head_offpolicyness=<k> for stale rollouts, or "
-                    f"actor.backend={ab.engine}:d1."))
+        for key, value, b, what, one in (("actor.backend", actor.backend, ab, "train ranks", "would train on one rank"),
+                                         ("rollout.backend", ro.backend, rb, "rollout workers",
+                                          "would generate with one engine")):
+            if b.dp > 1:
+                out.append((key,
+                            f"got {value!r}; {b.dp} {what} exist only in the asynchronous runtime, and {why} "
+                            f"the single-process loop, which {one}. Fix: set rollout.fixed_staleness=0 "
+                            "rollout.mode=auto and rollout.max_head_offpolicyness=<k> for stale rollouts, or "
+                            f"{key}={b.engine}:d1."))
     if rb.engine == "vllm":
         out += _vllm_problems(cfg, rb, total)
     if actor.dtype == "float16":

@@ -27,6 +27,13 @@ def test_data_parallel_training_in_the_single_process_loop_is_refused(backend, s
     assert "actor.backend" in msg and "single-process loop" in msg and "max_head_offpolicyness" in msg
 
 
+@pytest.mark.parametrize("staleness_mode", [["rollout.fixed_staleness=4"], ["rollout.mode=sync"]])
+def test_several_rollout_workers_in_the_single_process_loop_are_refused(staleness_mode):
+    # Before: accepted, and the single-process loop silently generated with one engine.
+    msg = _error(["rollout.backend=hf:d2", *staleness_mode])
+    assert "rollout.backend" in msg and "single-process loop" in msg and "rollout.backend=hf:d1" in msg
+
+
 @pytest.mark.parametrize("backend", ["torch:d2", "fsdp:d2", "fsdp:d1"])
 def test_data_parallel_backends_load_for_the_async_runtime(backend):
     cfg = load_config([f"actor.backend={backend}", "rollout.max_head_offpolicyness=2"])
