@@ -11,13 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "seq-mean-token-mean",
-)
+from recipe.registry import LOSS_AGG_MODES  # noqa: E402 - defined torch-free there for config validation
 
 # The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp(), as verl does, with torch.clamp's gradient: a token with
 # |d| > 20 (r > 4.8e8 or < 2.1e-9) contributes nothing to the gradient. Such a token is far outside any trust region;

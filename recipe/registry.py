@@ -27,6 +27,17 @@ BatchSelector = Callable[..., "dict[str, Any]"]
 # Modules that register the built-in losses. Imported lazily on first lookup so that
 # `import recipe.registry` stays import-cycle free (the recipes import this module).
 _BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines", "recipe.fipo")
+# The names those modules register, so a config can be validated without importing torch (a unit test keeps this in
+# step with what the modules really register).
+BUILTIN_POLICY_LOSSES = ("fipo", "m2po", "no_trust_region", "vanilla")
+# verl's loss aggregation modes (recipe.common implements them; listed here, torch-free, for config validation).
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,11 @@ def _qualname(fn: Callable) -> str:
 def _load_builtins() -> None:
     for module in _BUILTIN_RECIPES:
         importlib.import_module(module)
+
+
+def is_policy_loss_registered(name: str) -> bool:
+    """Whether ``name`` is a registered loss; a built-in name answers without importing torch."""
+    return name in _REGISTRY or name in BUILTIN_POLICY_LOSSES or name in registered_policy_losses()
 
 
 def registered_policy_losses() -> list[str]:

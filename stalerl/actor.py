@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
+from stalerl import fsdp
 from stalerl.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
 
@@ -155,8 +156,10 @@ class Actor:
         self.dp = dp or DataParallel()
         self.device = next(model.parameters()).device
         self.spec = get_policy_loss_spec(actor_cfg.loss)
+        self.total_updates = max(1, total_updates)
         self.optimizer = build_optimizer(model, actor_cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, max(1, total_updates))
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
+        self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
 
     # ---------------------------------------------------------------- log-probs
@@ -202,12 +205,60 @@ class Actor:
         was_training = self.model.training
         self.model.eval()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-        for rows in self.micro_batches(batch):
+        micro = self.micro_batches(batch)
+        for rows in micro:
             mb = batch.select(rows)
             lp = self._forward_logp(mb).cpu()
             out[rows, :lp.shape[1]] = torch.where(mb.response_mask, lp, torch.zeros_like(lp))
+        for _ in range(self._missing_passes(len(micro))):
+            fsdp.dummy_forward(self.model, self.device)
         self.model.train(was_training)
         return out
+
+    def _missing_passes(self, n_micro: int) -> int:
+        """Sharded model: forward passes this rank must add so every rank runs as many as the busiest one (each
+        forward all-gathers the layers). 0 for a replicated model."""
+        if not self.sharded or self.dp.size == 1:
+            return 0
+        return fsdp.max_over_ranks(n_micro, self.dp.group) - n_micro
+
+    # ---------------------------------------------------------------- sharding (actor.backend=fsdp:dY)
+    def shard(self, dtype: str = "float32", *, copy_model: bool = False,
+              lr_scheduler_state: Optional[dict] = None, optimizer_state_follows: bool = False) -> None:
+        """Shard the model over the data-parallel group with FSDP2 and rebuild the optimizer over the shards.
+
+        Collective: every rank calls it at the same point, with the same ``optimizer_state_follows`` (rank 0 then
+        broadcasts the optimizer state it had before sharding, e.g. from a checkpoint). ``copy_model``: shard a copy
+        and leave ``self.model``'s original unsharded for the caller (rank 0 keeps it to evaluate, publish and
+        save). The replicas must be identical before this (broadcast rank 0's weights first)."""
+        if self.sharded:
+            return
+        import copy
+
+        carried = None
+        if optimizer_state_follows and self.dp.rank == 0:
+            carried = fsdp.optimizer_state_by_name(self.model, self.optimizer.state_dict())
+        model = copy.deepcopy(self.model) if copy_model else self.model
+        self.model = fsdp.shard_model(model, self.dp.size, dtype)
+        self.device = next(self.model.parameters()).device
+        self.sharded = True
+        scheduler_state = lr_scheduler_state or self.lr_scheduler.state_dict()
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_updates)
+        self.lr_scheduler.load_state_dict(scheduler_state)
+        if optimizer_state_follows:
+            fsdp.load_full_optimizer_state(self.model, self.optimizer, carried)
+
+    @property
+    def has_pending_optimizer_state(self) -> bool:
+        """Not sharded yet and the optimizer has state (a restored checkpoint) that shard() must carry over."""
+        return not self.sharded and bool(self.optimizer.state)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Sharded: collective, the full weights on rank 0 (CPU) and {} elsewhere. Replicated: the local weights."""
+        if self.sharded:
+            return fsdp.full_model_state(self.model)
+        return self.model.state_dict()
 
     # ---------------------------------------------------------------- update
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -283,12 +334,12 @@ class Actor:
                 sq_sum += float((d * d).sum())
                 n_tokens += float(mb.response_mask.sum())
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
+            fsdp.dummy_forward(self.model, self.device).backward()
         if self.dp.size > 1:
-            for p in self.model.parameters():
-                if p.grad is None:  # a rank with no rows still joins every all-reduce
-                    p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad, group=self.dp.group)
-                p.grad.div_(self.dp.size)
+            if not self.sharded:  # FSDP2 has already averaged the gradients in its reduce-scatters
+                # Flattened buckets, one all-reduce each; a rank with no rows joins with zero gradients.
+                fsdp.all_reduce_gradients(self.model.parameters(), self.dp.group, self.dp.size)
             loss_t = self._all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))
             loss_sum = float(loss_t[0]) / self.dp.size
         # gradient_clipping=0 means no clipping (clip_grad_norm_(max_norm=0) would zero every gradient); the norm is
@@ -302,7 +353,7 @@ class Actor:
         out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
         out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
         out["actor/loss"] = loss_sum
-        out["actor/grad_norm"] = float(grad_norm)
+        out["actor/grad_norm"] = fsdp.to_float(grad_norm)
         out["actor/lr"] = lr_used
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
@@ -311,10 +362,26 @@ class Actor:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        """Sharded: collective; the full state on rank 0 (optimizer keyed by parameter name), empty elsewhere."""
+        if self.sharded:
+            state = fsdp.full_state_dict(self.model, self.optimizer)
+            state.update(lr_scheduler=self.lr_scheduler.state_dict(), format=fsdp.FULL_STATE_FORMAT)
+            return state
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A full state from either engine: the plain optimizer's (keyed by index) or a sharded run's (keyed by
+        parameter name), so a run can resume with the other engine or rank count. Into a sharded actor: collective."""
+        if state.get("format") == fsdp.FULL_STATE_FORMAT:
+            if self.sharded:
+                fsdp.load_full_model_state(self.model, state.get("model"))
+                fsdp.load_full_optimizer_state(self.model, self.optimizer, state.get("optimizer"))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(fsdp.optimizer_state_by_index(self.model, state["optimizer"]))
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])

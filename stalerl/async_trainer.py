@@ -53,7 +53,11 @@ class AsyncTrainer(Trainer):
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         super().__init__(cfg, log=log)
         self.n_rollout = parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
-        self.n_train = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp
+        train_backend = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES)
+        self.n_train = train_backend.dp
+        # fsdp:dY, Y > 1: the train ranks shard the model (stalerl.fsdp); rank 0 keeps self.model unsharded as the
+        # copy it evaluates, publishes and saves. fsdp:d1 has nothing to shard over and runs the plain engine.
+        self.fsdp = train_backend.engine == "fsdp" and self.n_train > 1
         b = cfg.rollout.consumer_batch_size
         self.manager = StalenessManager(b, cfg.rollout.max_head_offpolicyness,
                                         cfg.rollout.max_concurrent_rollouts or b, queue_size=cfg.rollout.queue_size)
@@ -77,6 +81,9 @@ class AsyncTrainer(Trainer):
         self.sent_version: dict[str, int] = {}
         self.loaded_version: dict[str, int] = {}
         self.weight_files: dict[int, Any] = {}
+
+    def _rollout_in_workers(self) -> bool:
+        return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
@@ -288,8 +295,14 @@ class AsyncTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoint
     def checkpoint_state(self) -> dict[str, Any]:
+        actor_state = None
+        if self.fsdp:  # a collective: gathered before taking the lock, with every train rank
+            for w in self.train_workers:
+                w.call("actor_state")
+            actor_state = self.actor.state_dict()
+            self._collect_train_replies("actor_state")
         with self.cond:
-            state = super().checkpoint_state()
+            state = super().checkpoint_state(actor_state)
             state["manager"] = self.manager.state_dict()
             state["prompts"] = list(self.prompts)
             state["dataset"] = self.dataset.state_dict()
@@ -332,7 +345,14 @@ class AsyncTrainer(Trainer):
                 w.call("sync_parameters")
             broadcast_parameters(self.model, self.actor.dp.group)
             self._collect_train_replies("sync_parameters")
-            if self.step > 0:
+            if self.fsdp:
+                # Identical replicas now; shard them all (a restored optimizer state is broadcast from rank 0).
+                follows = self.actor.has_pending_optimizer_state
+                for w in self.train_workers:
+                    w.call("shard", follows, self.actor.lr_scheduler.state_dict())
+                self.actor.shard(self.cfg.actor.dtype, copy_model=True, optimizer_state_follows=follows)
+                self._collect_train_replies("shard")
+            elif self.step > 0:
                 state = self.actor.state_dict()
                 for w in self.train_workers:
                     w.call("load_actor_state", state)
@@ -413,5 +433,8 @@ class AsyncTrainer(Trainer):
         own = batch.select(rank_rows[0])
         metrics = self.actor.update(own, advantages[rank_rows[0], :own.response_ids.shape[1]],
                                     minibatch_sizes=rank_sizes[0])
+        if self.fsdp:  # every rank joins the gather; rank 0's unsharded copy gets the new weights to publish
+            with torch.no_grad():
+                self.model.load_state_dict(self.actor.full_model_state())
         self._collect_train_replies("update")
         return metrics

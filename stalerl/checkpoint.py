@@ -88,7 +88,8 @@ def checkpoint_root(run_dir: PathLike) -> Path:
 # ----------------------------------------------------------------------------------------------------------- save
 
 
-def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep_last: int = 2) -> Path:
+def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep_last: int = 2,
+                    meta_extra: dict[str, Any] | None = None) -> Path:
     """Write ``state`` as checkpoint ``step`` under ``<run_dir>/checkpoints/step_<step>/`` and commit it.
 
     ``state`` is any picklable dict (tensors, state_dicts, RNG states from :func:`capture_rng_state`, counters, a
@@ -97,6 +98,9 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
     timeline that was abandoned by resuming from an earlier checkpoint) and complete-but-uncommitted ones newer than
     the previous ``latest`` are deleted too, so the kept window always belongs to the current run's history -- the
     same rule :class:`stalerl.metrics_log.MetricsLogger` applies to the metrics file on resume.
+
+    ``meta_extra`` (JSON-serialisable) is added to ``meta.json``: the trainer records the run's config and step plan
+    there, so the next run can be checked against them without loading ``state.pt`` (see :mod:`stalerl.trial_dir`).
 
     Returns the final checkpoint directory.
     """
@@ -134,6 +138,7 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
             "sha256": digest,
             "size_bytes": size,
             "pid": pid,
+            **(meta_extra or {}),
         }
         with open(tmp / META_FILE, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=2)

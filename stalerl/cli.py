@@ -1,9 +1,14 @@
 """The command line of the main job (``examples/math/gsm8k_rl.py`` and ``python -m stalerl.cli``).
 
-    python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot]
+    python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot] [--debug]
 
 A ``key=a,b,c`` override makes it a sweep over the grid of values (see :mod:`stalerl.sweep`). Every config of a
-sweep is loaded and validated before the first run starts.
+sweep is loaded and validated before the first run starts. A bare or relative ``--config`` that is not found from
+the current directory is looked up next to the script and among the example configs (:mod:`stalerl.config_lookup`).
+
+User errors (config, data, model, resources, trial directory) print one line, ``stalerl: error: ...``, and exit
+with code 2; ``--debug`` shows their traceback. torch, transformers and Ray are imported only when a run starts,
+so ``--help`` and ``--dry-run`` return at once (``bench/cli_startup.py`` measures it).
 """
 
 from __future__ import annotations
@@ -14,30 +19,84 @@ import sys
 import time
 from typing import Optional
 
-from stalerl.config import ExperimentConfig, is_async, load_config, parse_args, run_dir
+from stalerl.config import ConfigError, ExperimentConfig, format_help, is_async, load_config, parse_args, run_dir
+from stalerl.config_lookup import resolve_config_path
+from stalerl.errors import EXIT_USER_ERROR, UserError
+from stalerl.launch_env import LAUNCH_TIME_ENV
 from stalerl.launcher import launch
-from stalerl.trainer import LAUNCH_TIME_ENV
 from stalerl.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
-from stalerl.workers.process import WorkerFailure, failure_exit_code
+
+DEBUG_FLAG = "--debug"
+EXTRA_HELP = ("  --debug              show the traceback of a user error (config, data, model, resources, trial "
+              "directory),\n                       which otherwise prints as one line with exit code 2")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    try:
+        return _main(argv, debug=debug)
+    except Exception as err:  # noqa: BLE001 - only user errors are caught; anything else is re-raised (a bug)
+        if debug or not isinstance(err, _user_error_types()):
+            raise
+        print(f"stalerl: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """Config/user errors, and Slurm's (sbatch missing or rejecting the job: a scheduler precondition) when the
+    Slurm scheduler was used (its module is only imported then)."""
+    types: tuple[type, ...] = (ConfigError, UserError)
+    slurm = sys.modules.get("stalerl.schedulers.slurm")
+    return types + ((slurm.SlurmError,) if slurm is not None else ())
+
+
+def one_line(err: BaseException) -> str:
+    """A multi-problem config error on one line (problems separated by '; ')."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return lines[0] + " " + "; ".join(ln.lstrip("- ") for ln in lines[1:])
+    return " ".join(lines)
+
+
+def _main(argv: list[str], *, debug: bool = False) -> int:
     # When the job was launched, for the start-up overhead metric (inherited by workers, tasks and Slurm jobs).
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
-    argv = sys.argv[1:] if argv is None else list(argv)
     config_path, overrides, flags = parse_args(argv)
-    if not flags.get("help") and is_sweep(overrides):
-        return run_sweep(config_path, overrides, dry_run=bool(flags.get("dry_run")))
-    cfg = load_config(argv)
+    if flags.get("help"):
+        print(format_help())
+        print(EXTRA_HELP)
+        return 0
+    if config_path is not None:
+        found = resolve_config_path(config_path)
+        if found != config_path:
+            print(f"stalerl: config {config_path} -> {found}", file=sys.stderr, flush=True)
+        config_path = found
+    dry_run = bool(flags.get("dry_run"))
+    if is_sweep(overrides):
+        return run_sweep(config_path, overrides, dry_run=dry_run, debug=debug)
+    cfg = load_config([*_config_args(config_path), *overrides])
     if cfg.scheduler.type == "slurm":  # sbatch; inside the job this CLI runs again with scheduler.type=ray/local
         from stalerl.schedulers.slurm import launch as launch_slurm
 
-        return launch_slurm(cfg, config_path, overrides, bool(flags.get("dry_run")))
+        return launch_slurm(cfg, config_path, overrides, dry_run)
+    if dry_run:  # print the resolved config; nothing heavy is imported
+        launch(cfg, dry_run=True)
+        return 0
+    from stalerl.workers.process import WorkerFailure, failure_exit_code
+
+    start = time.time()
     try:
-        launch(cfg, dry_run=bool(flags.get("dry_run")), plot=bool(flags.get("plot")))
+        launch(cfg, plot=bool(flags.get("plot")))
     except WorkerFailure as failure:  # a rollout or train worker raised or died: its code and log tail
         print(f"stalerl: {failure}", file=sys.stderr)
         return failure_exit_code(failure)
+    from stalerl.run_summary_console import first_eval_accuracy, format_run_summary, summary_row
+
+    rd = run_dir(cfg)
+    print(format_run_summary(summary_row(rd), rd, wall_s=time.time() - start, first_eval=first_eval_accuracy(rd)),
+          flush=True)
     return 0
 
 
@@ -45,10 +104,11 @@ def _config_args(config_path: Optional[str]) -> list[str]:
     return ["--config", config_path] if config_path else []
 
 
-def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool = False) -> int:
+def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool = False,
+              debug: bool = False) -> int:
     fixed, axes = sweep_axes(overrides)
     if any(k == "scheduler.type" for k, _ in axes):
-        raise ValueError("scheduler.type cannot be swept: a sweep runs under one scheduler")
+        raise UserError("scheduler.type cannot be swept: a sweep runs under one scheduler")
     base = load_config([*_config_args(config_path), *fixed])
     runs = expand(overrides, base.trial_name)
     configs = [load_config([*_config_args(config_path), *ovr]) for _, ovr in runs]  # all validated up front
@@ -62,8 +122,12 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
             slurm_sweep(config_path, runs, configs, dry_run=True)
         return 0
     kind = base.scheduler.type
+    from stalerl.preflight import check_before_launch
+
+    for cfg in configs if kind != "slurm" else []:  # (a Slurm job's paths are checked inside the job)
+        check_before_launch(cfg)  # paths and device of every point before the first starts
     if kind == "local":
-        statuses = _run_local(config_path, runs)
+        statuses = _run_local(config_path, runs, debug=debug)
     else:
         statuses = run_sweep_on(kind, config_path, runs, configs)
     rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
@@ -73,13 +137,14 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
     return 0 if all(s == "ok" for s in statuses) else 1
 
 
-def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]]) -> list[str]:
+def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *, debug: bool = False) -> list[str]:
     """One run after another, each in its own process (a failed run does not stop the sweep)."""
     statuses = []
     for i, (trial, ovr) in enumerate(runs, 1):
         start = time.perf_counter()
         print(f"[{i}/{len(runs)}] {trial}", flush=True)
-        res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr])
+        res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr,
+                              *([DEBUG_FLAG] if debug else [])])
         status = "ok" if res.returncode == 0 else f"failed ({res.returncode})"
         print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
         statuses.append(status)
@@ -112,37 +177,51 @@ def run_cpus(cfg: ExperimentConfig) -> float:
 
 def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
     """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
-    its task a run uses the local scheduler for its own worker processes."""
+    its task a run uses the local scheduler for its own worker processes. A run that could never fit is refused
+    before any is submitted. On a local cluster each run's console goes to ``<run_dir>/logs/console.log`` (runs
+    proceed at once, so their lines would interleave); the driver prints one status line per run."""
+    from stalerl.preflight import check_ray_fit, ray_is_this_machine
     from stalerl.workers.hosting import import_ray, init_ray, worker_resources
 
     ray = import_ray()
-    started = init_ray(configs[0].scheduler.ray_address)
+    to_files = ray_is_this_machine(configs[0])
+    started = init_ray(configs[0].scheduler.ray_address, log_to_driver=not to_files)
     try:
-        total = ray.cluster_resources().get("CPU", 0.0)
-        refs = []
-        for (trial, overrides), cfg in zip(runs, configs):
-            cpus = run_cpus(cfg)
-            if cpus > total:
-                raise RuntimeError(f"sweep run {trial} needs {cpus:g} CPUs but the Ray cluster has {total:g}")
+        have = ray.cluster_resources()
+        asks = []
+        for (trial, _), cfg in zip(runs, configs):
+            ask = {"CPU": run_cpus(cfg), "GPU": worker_resources(cfg).gpus}
+            check_ray_fit(ask, have, f"sweep run {trial}", "lower torch_threads or the backends' sizes")
+            asks.append(ask)
+        refs, logs = [], []
+        for (trial, overrides), cfg, ask in zip(runs, configs, asks):
             argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
-            task = ray.remote(_cli_in_task).options(num_cpus=cpus, num_gpus=worker_resources(cfg).gpus,
-                                                    max_retries=0)
-            refs.append(task.remote(argv))
+            log_path = run_dir(cfg) / "logs" / "console.log" if to_files else None
+            task = ray.remote(max_calls=1)(_cli_in_task).options(num_cpus=ask["CPU"], num_gpus=ask["GPU"],
+                                                                 max_retries=0)
+            refs.append(task.remote(argv, str(log_path) if log_path else None))
+            logs.append(log_path)
         statuses = []
-        for (trial, _), ref in zip(runs, refs):
+        for (trial, _), ref, log_path in zip(runs, refs, logs):
             try:
                 code = ray.get(ref)
                 statuses.append("ok" if code == 0 else f"failed ({code})")
             except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
                 statuses.append(f"failed ({type(exc).__name__})")
-            print(f"{trial}: {statuses[-1]}", flush=True)
+            print(f"{trial}: {statuses[-1]}" + (f" (log: {log_path})" if log_path else ""), flush=True)
         return statuses
     finally:
         if started:
             ray.shutdown()
 
 
-def _cli_in_task(argv: list[str]) -> int:
+def _cli_in_task(argv: list[str], log_path: Optional[str] = None) -> int:
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        out = open(log_path, "a", buffering=1)
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
     # by name: under `python -m stalerl.cli` this module is __main__, whose functions Ray would pickle by value
     from stalerl.cli import main
 

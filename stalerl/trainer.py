@@ -19,6 +19,7 @@ from stalerl.actor import Actor
 from stalerl.advantage import grpo_advantages, shaped_rewards
 from stalerl.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
+from stalerl.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
 from stalerl.metrics_log import MetricsLogger, Progress, format_summary
 from stalerl.model import PromptFormatter, load_policy_from_config, resolve_device
@@ -26,9 +27,10 @@ from stalerl.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import HFRolloutEngine, generation_seed
 from stalerl.staleness import StaleFIFO, staleness_stats
+from stalerl import trial_dir
 from stalerl.warm_start import warm_start
 
-LAUNCH_TIME_ENV = "STALERL_LAUNCH_TIME"
+from stalerl.launch_env import LAUNCH_TIME_ENV  # noqa: E402,F401 - re-exported
 SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
                 "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
 
@@ -39,11 +41,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
+def steps_per_epoch(cfg: ExperimentConfig, num_train_examples: int) -> int:
     per_epoch = num_train_examples // cfg.train_dataset.batch_size
     if not cfg.train_dataset.drop_last and num_train_examples % cfg.train_dataset.batch_size:
         per_epoch += 1
-    steps = per_epoch * cfg.total_train_epochs
+    return per_epoch
+
+
+def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
+    steps = steps_per_epoch(cfg, num_train_examples) * cfg.total_train_epochs
     if cfg.total_train_steps is not None:
         steps = min(steps, cfg.total_train_steps) if steps > 0 else cfg.total_train_steps
     return max(0, steps)
@@ -55,11 +61,16 @@ class Trainer:
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
         self.cfg = cfg
         self.log = log
-        engine = cfg.rollout.backend.split(":", 1)[0]
-        if engine != "hf":
-            raise NotImplementedError(
+        self.engine_name = engine = cfg.rollout.backend.split(":", 1)[0]
+        if engine not in ("hf", "vllm"):
+            raise NotAvailableError(
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
-                "version; use rollout.backend=hf:dX (transformers generate, CPU or GPU)")
+                "version; use rollout.backend=hf:dX (transformers generate) or vllm:dX")
+        if engine == "vllm":
+            from stalerl.rollout.vllm_engine import INSTALL_HINT, VLLMNotInstalled, vllm_available
+
+            if not vllm_available():  # before any work: data, model, warm start
+                raise VLLMNotInstalled(INSTALL_HINT)
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)
@@ -67,8 +78,8 @@ class Trainer:
         save_resolved_config(cfg, self.run_dir / "config.yaml")
 
         # Data first: a wrong path fails before the model is built.
-        self.train_examples = self._load_split(cfg.train_dataset)
-        self.valid_examples = self._load_split(cfg.valid_dataset)
+        self.train_examples = self._load_split(cfg.train_dataset, "train_dataset")
+        self.valid_examples = self._load_split(cfg.valid_dataset, "valid_dataset")
 
         self.device = resolve_device(cfg.actor.device)
         self.model, self.tokenizer = load_policy_from_config(cfg)
@@ -83,8 +94,7 @@ class Trainer:
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature,
                            total_updates=self.total_steps * cfg.actor.ppo_n_minibatches,
                            loss_scale_factor=cfg.gconfig.max_new_tokens)
-        self.engine = HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
-                                      device=self.device, compute_dtype=cfg.actor.dtype)
+        self.engine = self._build_engine()
         self.fifo = StaleFIFO(cfg.rollout.fixed_staleness)
         self.step = 0  # optimizer steps taken = the trainer's weight version
         self.tasks_generated = 0  # prompt groups generated so far; seeds each generate call (see generation_seed)
@@ -92,11 +102,37 @@ class Trainer:
         self._gen_rewards: list[torch.Tensor] = []  # rewards of the batches generated during the current step
 
     # ------------------------------------------------------------------ pieces
+    def _build_engine(self):
+        """The synchronous loop's engine. vLLM holds its own copy of the weights: it starts from the trainer's
+        module at the first generation (after warm start or a resume) and is re-synced when the step moves on."""
+        if self.engine_name == "vllm" and not self._rollout_in_workers():
+            from stalerl.rollout.vllm_engine import build_vllm_engine
+
+            return build_vllm_engine(self.cfg, self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
+                                     work_dir=self.run_dir / "vllm" / "sync", track_source=True)
+        return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device,
+                               compute_dtype=self.cfg.actor.dtype)
+
+    def _rollout_in_workers(self) -> bool:
+        """The asynchronous trainer generates in rollout workers (it keeps an HF engine for evaluation only)."""
+        return False
+
+    def _engine_kwargs(self, first_task_id: int, n_prompts: int, n_samples: int) -> dict:
+        """Per-prompt seeds for vLLM (the HF engine is seeded through the global RNG by the caller)."""
+        if not hasattr(self.engine, "source_model"):
+            return {}
+        from stalerl.rollout.vllm_engine import sample_seeds
+
+        return {"seeds": sample_seeds(self.cfg.seed, range(first_task_id, first_task_id + n_prompts), n_samples)}
+
     @staticmethod
-    def _load_split(ds) -> list:
-        return load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task, max_operand=ds.synthetic.max_operand,
-                             train_size=ds.synthetic.train_size, test_size=ds.synthetic.test_size,
-                             seed=ds.synthetic.seed)
+    def _load_split(ds, key: str = "train_dataset") -> list:
+        try:
+            return load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task,
+                                 max_operand=ds.synthetic.max_operand, train_size=ds.synthetic.train_size,
+                                 test_size=ds.synthetic.test_size, seed=ds.synthetic.seed)
+        except (FileNotFoundError, ValueError) as e:  # a data problem the user fixes: named by its key, one line
+            raise UserError(f"{key}.path={ds.path!r} (split {ds.split!r}): {e}") from e
 
     def _filter_by_prompt_tokens(self, examples: list, ds, key: str) -> list:
         """Drop examples whose formatted prompt is longer than ``max_length`` tokens."""
@@ -106,7 +142,7 @@ class Trainer:
                 if len(self.tokenizer(self.formatter.format(e.question), add_special_tokens=False)["input_ids"])
                 <= ds.max_length]
         if not kept:
-            raise ValueError(f"{key}.max_length={ds.max_length} drops every example of {ds.path!r}; raise it")
+            raise UserError(f"{key}.max_length={ds.max_length} drops every example of {ds.path!r}; raise it")
         return kept
 
     def generate_batch(self) -> RolloutBatch:
@@ -116,10 +152,11 @@ class Trainer:
         # Seeded by the first task id, as the asynchronous workers do: with max_head_offpolicyness=0 both loops
         # sample exactly the same tokens.
         torch.manual_seed(generation_seed(self.cfg.seed, self.tasks_generated))
+        seeds = self._engine_kwargs(self.tasks_generated, len(examples), g.n_samples)
         self.tasks_generated += len(examples)
         batch = self.engine.generate([e.question for e in examples], [e.final for e in examples],
                                      n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
-                                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+                                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, **seeds)
         if self.cfg.actor.behavior_logp == "recompute":
             # The authors' choice: behaviour log-probs from the training engine at the generating weights (which
             # are the current weights at generation time in this loop), so train/infer mismatch stays out of M2.
@@ -132,6 +169,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         g = self.cfg.eval_gconfig
+        if hasattr(self.engine, "source_model"):  # vLLM keeps its own weights: bring them to this step's
+            self.engine.set_version(self.step)
         correct = 0.0
         bs = self.cfg.valid_dataset.batch_size
         for i in range(0, len(self.valid_examples), bs):
@@ -162,6 +201,11 @@ class Trainer:
             bs = self.cfg.valid_dataset.batch_size
 
             def accuracy() -> float:  # greedy: deterministic and no RNG draw, so the SFT stream is unchanged
+                if hasattr(self.engine, "source_model"):  # vLLM holds its own copy: install the current weights
+                    if getattr(self.engine, "llm", None) is None:
+                        self.engine.set_version(self.step)
+                    else:
+                        self.engine.load_weights(self.model.state_dict(), self.step)
                 correct = 0.0
                 for i in range(0, len(held), bs):
                     chunk = held[i:i + bs]
@@ -173,8 +217,10 @@ class Trainer:
                           steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=self.cfg.seed, log=self.log,
                           target_accuracy=ws.target_accuracy, eval_interval=ws.eval_interval, accuracy=accuracy)
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"actor": self.actor.state_dict(), "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
+    def checkpoint_state(self, actor_state: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """``actor_state``: the actor's state when the caller already gathered it (sharded actors)."""
+        return {"actor": self.actor.state_dict() if actor_state is None else actor_state,
+                "rng": capture_rng_state(), "dataset": self.dataset.state_dict(),
                 "fifo": self.fifo.state_dict(), "step": self.step, "warm_start_done": self.warm_start_done,
                 "tasks_generated": self.tasks_generated}
 
@@ -194,10 +240,14 @@ class Trainer:
         found = load_latest_checkpoint(self.run_dir)
         if found is None:
             if mode == "resume":
-                raise FileNotFoundError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
-                                        "use recover.mode=auto to start fresh when none exists")
+                raise UserError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
+                                "use recover.mode=auto to start fresh when none exists")
             return None
         step, state = found
+        if step >= self.total_steps:  # never a silent no-op (stalerl.trial_dir refuses this earlier when it can)
+            raise UserError(f"trial {self.run_dir} has a checkpoint at step {step} and this run ends at step "
+                            f"{self.total_steps}: nothing to train. Raise total_train_steps to extend it, use a new "
+                            "trial_name, or recover.mode=disabled to start over")
         self.restore(state)
         self.log(f"resumed from checkpoint at step {step} ({self.run_dir})")
         return step
@@ -236,12 +286,26 @@ class Trainer:
             if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
                 self.log(format_summary(step, last, SUMMARY_KEYS))
             if cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
-                save_checkpoint(self.run_dir, step, self.checkpoint_state(), keep_last=cfg.recover.keep_last)
+                self.save_checkpoint()
         progress.close()
         logger.close()
+        if cfg.recover.mode != "disabled" and resumed != self.step and self.step % cfg.recover.freq_steps:
+            self.save_checkpoint()  # the last step too, so a finished trial can be extended from where it ended
         if cfg.saver.save_final:
             self.save_model(self.run_dir / "final_model")
+        trial_dir.write_finished(self.run_dir, step=self.step, total_steps=self.total_steps,
+                                 steps_per_epoch=self.steps_per_epoch())
         return last
+
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.cfg, len(self.train_examples))
+
+    def save_checkpoint(self) -> None:
+        """An atomic checkpoint of this step; its meta.json records the config and step plan for the next run."""
+        meta = {"config": trial_dir.config_dict(self.cfg), "total_steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch()}
+        save_checkpoint(self.run_dir, self.step, self.checkpoint_state(), keep_last=self.cfg.recover.keep_last,
+                        meta_extra=meta)
 
     def on_training_start(self) -> None:
         """Hook after warm start or restore, before the first step (the async trainer syncs its workers here)."""
@@ -305,8 +369,14 @@ class Trainer:
         }
 
     def save_model(self, path: os.PathLike) -> None:
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Writing model shards" bar is noise on the console and in logs
+        try:
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        finally:
+            hf_logging.enable_progress_bar()
 
 
 def run(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """GRPO-style RL on GSM8K with a registered stale-rollout loss (m2po, vanilla, no_trust_region, ...).
 
     python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_m2po_cpu.yaml [key=value ...] [--dry-run] [--plot]
+    python3 examples/math/gsm8k_rl.py --config gsm8k_m2po.yaml ...   # a bare name: looked up next to this script
+
+A user error prints one line ``stalerl: error: ...`` and exits with code 2 (``--debug`` shows the traceback); a
+finished trial is extended by a larger ``total_train_steps``; the run ends with a summary and its output paths.
 
 Every config field can be overridden with a dotted ``key=value`` (``--help`` lists them all with their meaning);
 ``key=a,b,c`` runs a sweep over the values. What runs, top to bottom (see stalerl/trainer.py):

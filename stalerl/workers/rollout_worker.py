@@ -38,8 +38,19 @@ class RolloutWorker:
         self.cfg = cfg
         self.index = index
         model, tokenizer = load_policy_from_config(cfg)
-        self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
-                                      version=-1, compute_dtype=cfg.actor.dtype)
+        self.model = model
+        self.is_vllm = cfg.rollout.backend.split(":", 1)[0] == "vllm"
+        if self.is_vllm:
+            from stalerl.config import run_dir
+            from stalerl.rollout.vllm_engine import build_vllm_engine
+
+            # Started from this process's initial weights (the architecture); the controller's weights arrive
+            # through load_weights before any task, so nothing is generated with these.
+            self.engine = build_vllm_engine(cfg, model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+                                            work_dir=run_dir(cfg) / "vllm" / f"rollout-{index}", track_source=False)
+        else:
+            self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+                                          version=-1, compute_dtype=cfg.actor.dtype)
         # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
         # weights live (the trainer has moved on by the time it consumes the batch).
         self.recompute = None
@@ -51,13 +62,18 @@ class RolloutWorker:
 
     def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
         start = time.perf_counter()
-        self.engine.load_weights(state_dict, version)
+        self._install(state_dict, version)
         return {"version": version, "seconds": time.perf_counter() - start}
 
     def load_weights_from_file(self, version: int, path: str) -> dict[str, float]:
         start = time.perf_counter()
-        self.engine.load_weights(torch.load(path, map_location="cpu", weights_only=True), version)
+        self._install(torch.load(path, map_location="cpu", weights_only=True), version)
         return {"version": version, "seconds": time.perf_counter() - start}
+
+    def _install(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        if self.is_vllm and self.recompute is not None:
+            self.model.load_state_dict(state_dict)  # the recompute forward needs the generating weights too
+        self.engine.load_weights(state_dict, version)
 
     def generate(self, tasks: list[tuple[int, str, str]]) -> dict[str, Any]:
         """One batched generate call over ``tasks`` = [(task_id, question, answer)]; returns each task's batch."""
@@ -65,9 +81,14 @@ class RolloutWorker:
             raise RuntimeError("generate before any weights were loaded")
         g = self.cfg.gconfig
         torch.manual_seed(generation_seed(self.cfg.seed, tasks[0][0]))
+        seeds = {}
+        if self.is_vllm:  # per task, so a task samples the same tokens whatever batch it lands in
+            from stalerl.rollout.vllm_engine import sample_seeds
+
+            seeds["seeds"] = sample_seeds(self.cfg.seed, [t for t, _, _ in tasks], g.n_samples)
         batch = self.engine.generate([q for _, q, _ in tasks], [a for _, _, a in tasks], n_samples=g.n_samples,
                                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                     top_k=g.top_k)
+                                     top_k=g.top_k, **seeds)
         if self.recompute is not None:
             batch.behavior_logp = self.recompute.compute_logp(batch)
         out = []

@@ -1,8 +1,13 @@
 """A data-parallel train rank (rank >= 1; rank 0 lives in the controller).
 
-Every rank holds a full replica and its optimizer. Each step the controller sends every rank its shard of the batch;
-the actor all-reduces the token counts, runs the registered loss's mini-batch selection across the group (M2PO's
-mask is exact over all ranks), and averages gradients, so replicas stay identical without ever exchanging weights.
+``torch:dY``: every rank holds a full replica and its optimizer. Each step the controller sends every rank its shard
+of the batch; the actor all-reduces the token counts, runs the registered loss's mini-batch selection across the group
+(M2PO's mask is exact over all ranks), and averages gradients (flattened buckets), so replicas stay identical without
+ever exchanging weights.
+
+``fsdp:dY``: the ranks start as identical replicas (rank 0's weights broadcast), then ``shard`` them with FSDP2 (see
+:mod:`stalerl.fsdp`); each holds 1/Y of the parameters, gradients and optimizer state. After each update every rank
+joins the gather of the full weights that rank 0 publishes, and checkpoints gather the full state on rank 0.
 """
 
 from __future__ import annotations
@@ -54,4 +59,16 @@ class TrainWorker:
         self.actor.load_state_dict(state)
 
     def update(self, shard: dict[str, Any], advantages, minibatch_sizes: list[int]) -> dict[str, float]:
-        return self.actor.update(from_wire(shard), torch.as_tensor(advantages), minibatch_sizes=minibatch_sizes)
+        metrics = self.actor.update(from_wire(shard), torch.as_tensor(advantages), minibatch_sizes=minibatch_sizes)
+        if self.actor.sharded:
+            self.actor.full_model_state()  # joins the gather of the weights rank 0 publishes (nothing lands here)
+        return metrics
+
+    def shard(self, optimizer_state_follows: bool, lr_scheduler_state: dict[str, Any]) -> None:
+        """fsdp:dY: shard this rank's replica (collective, with every rank; see Actor.shard)."""
+        self.actor.shard(self.cfg.actor.dtype, lr_scheduler_state=lr_scheduler_state,
+                         optimizer_state_follows=optimizer_state_follows)
+
+    def actor_state(self) -> None:
+        """fsdp:dY: join the gather of the full actor state that rank 0 checkpoints."""
+        self.actor.state_dict()

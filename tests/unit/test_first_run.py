@@ -1,0 +1,213 @@
+"""First-run pieces without training: config lookup, trial-directory rules, preflight messages, the summary block,
+one-line errors, and the torch-free validation tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from stalerl.config import load_config
+from stalerl.config_lookup import resolve_config_path
+from stalerl.errors import UserError
+from stalerl.preflight import check_before_launch, check_ray_fit, path_problems
+from stalerl.run_summary_console import format_run_summary
+from stalerl.trial_dir import check_trial_dir, config_dict, differing_keys, write_finished
+
+EXAMPLES = REPO / "examples" / "math"
+
+
+# ------------------------------------------------------------------------------------------------ config lookup
+def test_bare_config_name_is_found_among_the_example_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = Path(resolve_config_path("gsm8k_m2po.yaml", script=""))
+    assert found.resolve() == (EXAMPLES / "gsm8k_m2po.yaml").resolve()
+
+
+def test_repo_relative_config_works_from_inside_the_examples_dir(monkeypatch):
+    monkeypatch.chdir(EXAMPLES)
+    found = Path(resolve_config_path("examples/math/gsm8k_m2po_cpu.yaml", script="gsm8k_rl.py"))
+    assert found.resolve() == (EXAMPLES / "gsm8k_m2po_cpu.yaml").resolve()
+
+
+def test_config_next_to_the_script_wins_over_the_examples(tmp_path, monkeypatch):
+    script_dir = tmp_path / "proj"
+    script_dir.mkdir()
+    (script_dir / "run.py").write_text("")
+    (script_dir / "gsm8k_m2po.yaml").write_text("seed: 3\n")
+    monkeypatch.chdir(tmp_path)
+    assert Path(resolve_config_path("gsm8k_m2po.yaml", script=str(script_dir / "run.py"))).resolve() == \
+        (script_dir / "gsm8k_m2po.yaml").resolve()
+
+
+def test_a_config_that_exists_here_is_used_as_given(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k_m2po.yaml").write_text("seed: 3\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("gsm8k_m2po.yaml", script="") == "gsm8k_m2po.yaml"
+
+
+def test_missing_config_lists_where_it_looked_and_the_shipped_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        resolve_config_path("gsm8k_m2pp.yaml", script="")
+    msg = str(e.value)
+    assert "gsm8k_m2pp.yaml" in msg and "gsm8k_m2po_cpu.yaml" in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------------------------------------ trial directory
+def _cfg(tmp_path, *extra):
+    return load_config(["--config", str(EXAMPLES / "gsm8k_m2po_cpu.yaml"), f"cluster.fileroot={tmp_path}",
+                        "recover.mode=auto", *extra])
+
+
+def _fake_checkpoint(run_dir: Path, cfg, step: int, steps_per_epoch: int = 625) -> None:
+    d = run_dir / "checkpoints" / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": step, "config": config_dict(cfg), "total_steps": step,
+                                             "steps_per_epoch": steps_per_epoch}))
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+
+
+def test_differing_keys_names_what_matters_and_ignores_hosting_and_logging(tmp_path):
+    a = config_dict(_cfg(tmp_path))
+    b = config_dict(_cfg(tmp_path, "rollout.fixed_staleness=0", "scheduler.type=ray", "torch_threads=1",
+                         "stats_logger.log_every=1", "evaluator.freq_steps=5", "total_train_steps=400"))
+    assert [k for k, _, _ in differing_keys(a, b)] == ["rollout.fixed_staleness"]
+
+
+def test_a_run_with_a_different_config_is_refused_naming_keys_and_both_ways_out(tmp_path):
+    old = _cfg(tmp_path)
+    run = tmp_path / old.experiment_name / old.trial_name
+    _fake_checkpoint(run, old, 50)
+    new = _cfg(tmp_path, "rollout.fixed_staleness=0", "actor.loss=vanilla")
+    with pytest.raises(UserError) as e:
+        check_trial_dir(new, run, log=lambda *_: None)
+    msg = str(e.value)
+    assert "rollout.fixed_staleness (checkpoint 4, this run 0)" in msg and "actor.loss" in msg
+    assert "trial_name=" in msg and "recover.mode=disabled" in msg
+    check_trial_dir(_cfg(tmp_path), run, log=lambda *_: None)  # the same config resumes
+
+
+def test_a_finished_trial_is_refused_unless_extended(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = tmp_path / cfg.experiment_name / cfg.trial_name
+    _fake_checkpoint(run, cfg, 300)
+    write_finished(run, step=300, total_steps=300, steps_per_epoch=625)
+    for extra in ([], ["total_train_steps=20"]):
+        with pytest.raises(UserError, match=r"is finished \(step 300 of 300\).*total_train_steps above 300"):
+            check_trial_dir(_cfg(tmp_path, *extra), run, log=lambda *_: None)
+    logged = []
+    check_trial_dir(_cfg(tmp_path, "total_train_steps=400"), run, log=logged.append)
+    assert "extending finished trial" in logged[0] and "to 400" in logged[0]
+    assert not (run / "finished.json").exists()
+
+
+def test_an_extension_the_epochs_cap_makes_empty_is_refused(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = tmp_path / cfg.experiment_name / cfg.trial_name
+    _fake_checkpoint(run, cfg, 10, steps_per_epoch=10)
+    write_finished(run, step=10, total_steps=10, steps_per_epoch=10)
+    with pytest.raises(UserError, match="is finished"):
+        check_trial_dir(_cfg(tmp_path, "total_train_steps=400"), run, log=lambda *_: None)  # 1 epoch = 10 steps
+    check_trial_dir(_cfg(tmp_path, "total_train_steps=400", "total_train_epochs=2"), run, log=lambda *_: None)
+
+
+def test_a_checkpoint_past_this_runs_last_step_is_refused(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = tmp_path / cfg.experiment_name / cfg.trial_name
+    _fake_checkpoint(run, cfg, 250)
+    with pytest.raises(UserError, match="step 250, past this run's last step 20"):
+        check_trial_dir(_cfg(tmp_path, "total_train_steps=20"), run, log=lambda *_: None)
+
+
+def test_recover_disabled_starts_over_and_sets_old_state_aside(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = tmp_path / cfg.experiment_name / cfg.trial_name
+    _fake_checkpoint(run, cfg, 300)
+    write_finished(run, step=300, total_steps=300, steps_per_epoch=625)
+    check_trial_dir(_cfg(tmp_path, "recover.mode=disabled", "rollout.fixed_staleness=0"), run, log=lambda *_: None)
+    assert not (run / "checkpoints").exists() and not (run / "finished.json").exists()
+    assert len(list(run.glob("checkpoints.*"))) == 1 and len(list(run.glob("finished.*.json"))) == 1
+    check_trial_dir(cfg, run, log=lambda *_: None)  # nothing left to continue: a fresh start
+
+
+# ------------------------------------------------------------------------------------------------ preflight
+def test_missing_data_and_model_paths_are_named_by_their_keys(tmp_path):
+    cfg = _cfg(tmp_path, "train_dataset.path=/nonexistent/gsm8k", f"actor.path={tmp_path}/nomodel")
+    problems = path_problems(cfg)
+    assert any(p.startswith("train_dataset.path='/nonexistent/gsm8k'") for p in problems)
+    assert any(p.startswith("actor.path=") for p in problems)
+    with pytest.raises(UserError) as e:
+        check_before_launch(cfg)
+    assert "data.path" not in str(e.value).replace("_dataset.path", "")
+
+
+def test_gpu_config_on_a_cpu_machine_says_what_to_do(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    cfg = load_config(["--config", str(EXAMPLES / "gsm8k_m2po.yaml")])
+    for kind in ("local", "ray"):
+        cfg.scheduler.type = kind
+        with pytest.raises(UserError) as e:
+            check_before_launch(cfg)
+        msg = str(e.value)
+        assert "actor.device='cuda'" in msg and "gsm8k_m2po_cpu.yaml" in msg and "actor.path=<model dir>" in msg
+
+
+def test_ray_fit_check_says_what_was_asked_and_what_exists():
+    check_ray_fit({"CPU": 2, "GPU": 0}, {"CPU": 2.0}, "x", "fix")
+    with pytest.raises(UserError) as e:
+        check_ray_fit({"CPU": 8, "GPU": 1}, {"CPU": 2.0}, "the loop", "lower torch_threads")
+    msg = str(e.value)
+    assert "asked CPU 8, GPU 1" in msg and "the cluster has CPU 2, GPU 0" in msg and "lower torch_threads" in msg
+
+
+def test_data_hint_names_real_keys():
+    from stalerl.data.gsm8k import _HINT
+
+    assert "train_dataset.path=" in _HINT and " data.path" not in _HINT and "(e.g. data.path" not in _HINT
+
+
+# ------------------------------------------------------------------------------------------------ output
+def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
+    (tmp_path / "final_model").mkdir()
+    (tmp_path / "tensorboard").mkdir()
+    row = {"steps": 300, "final_reward": 0.2, "final_eval_accuracy": 0.33, "staleness_avg": 3.9,
+           "staleness_max": 4.0, "masked_fraction": 0.012, "clip_fraction": None}
+    text = format_run_summary(row, tmp_path, wall_s=81.4, first_eval=0.07)
+    assert "steps 300" in text and "wall time 81s" in text and "final reward 0.2" in text
+    assert "eval accuracy 0.07 -> 0.33" in text and "staleness avg 3.9, max 4" in text
+    assert "masked fraction 0.012" in text and "clip fraction" not in text
+    for part in ("metrics.jsonl", "tensorboard --logdir", "final_model", "stalerl-plot"):
+        assert part in text
+
+
+def test_multi_problem_config_errors_print_on_one_line():
+    from stalerl.cli import one_line
+
+    err = ValueError("invalid config (2 problems):\n  - a.b: bad\n  - c: worse")
+    assert one_line(err) == "invalid config (2 problems): a.b: bad; c: worse"
+
+
+def test_builtin_loss_table_matches_what_the_recipes_register():
+    from recipe.registry import BUILTIN_POLICY_LOSSES, LOSS_AGG_MODES, registered_policy_losses
+    import recipe.common
+
+    assert set(BUILTIN_POLICY_LOSSES) <= set(registered_policy_losses())
+    assert recipe.common.LOSS_AGG_MODES is LOSS_AGG_MODES
+
+
+def test_resume_without_a_checkpoint_is_refused_before_launch(tmp_path):
+    cfg = _cfg(tmp_path, "recover.mode=resume")
+    with pytest.raises(UserError, match="recover.mode=resume but trial .* has no checkpoint"):
+        check_trial_dir(cfg, tmp_path / cfg.experiment_name / cfg.trial_name, log=lambda *_: None)
+
+
+def test_a_model_directory_without_config_json_is_named(tmp_path):
+    (tmp_path / "model").mkdir()
+    cfg = _cfg(tmp_path, f"actor.path={tmp_path / 'model'}")
+    assert any("has no config.json" in p for p in path_problems(cfg))
