@@ -177,3 +177,22 @@ def masked_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor, valid: 
     """log(pi_theta/pi_behaviour) in fp32, zero (and gradient-free) on padding."""
     d = log_prob.float() - old_log_prob.detach().float()
     return torch.where(valid, d, torch.zeros_like(d))
+
+
+def ppo_clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                       dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, with verl's dual clip for A < 0 when ``dual_clip`` (c > 1) is given.
+
+    Returns ``(per_token_loss, clipped, dual_clipped)``: the loss max(-A r, -A clip(r, 1-eps_low, 1+eps_high)),
+    capped at -A c where A < 0, and the masks of the tokens the clip and the dual clip decided."""
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_clipped = (adv < 0) & (per_token > cap)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    return per_token, clipped, dual_clipped
+

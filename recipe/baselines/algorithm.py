@@ -23,6 +23,7 @@ from recipe.common import (
     check_inputs,
     global_batch_info,
     masked_log_ratio,
+    ppo_clip_surrogate,
     read_float,
     clamp_log_ratio,
 )
@@ -61,15 +62,7 @@ def compute_policy_loss_vanilla(
     d = masked_log_ratio(old_log_prob, log_prob, valid)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
     ratio = torch.exp(clamp_log_ratio(d))
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    per_token = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
-    dual_clipped = torch.zeros_like(valid)
-    if dual is not None:
-        cap = -adv * dual
-        dual_clipped = (adv < 0) & (per_token > cap)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    per_token, clipped, dual_clipped = ppo_clip_surrogate(ratio, adv, low, high, dual)
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
     loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))

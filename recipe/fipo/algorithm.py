@@ -54,6 +54,7 @@ from recipe.common import (
     check_inputs,
     global_batch_info,
     masked_log_ratio,
+    ppo_clip_surrogate,
     read_float,
     clamp_log_ratio,
 )
@@ -237,10 +238,7 @@ def fipo_per_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, weigh
     """The dual-clip PPO surrogate on the reweighted advantage A * w (w detached), per token, with grad."""
     ratio = torch.exp(clamp_log_ratio(log_ratio))
     adv_hat = advantages.detach().float() * weights.detach()
-    loss_unclipped = -adv_hat * ratio
-    loss_clipped = -adv_hat * torch.clamp(ratio, 1.0 - params.eps_low, 1.0 + params.eps_high)
-    clipped = torch.maximum(loss_unclipped, loss_clipped)
-    return torch.where(adv_hat < 0, torch.minimum(clipped, -adv_hat * params.clip_ratio_c), clipped)
+    return ppo_clip_surrogate(ratio, adv_hat, params.eps_low, params.eps_high, params.clip_ratio_c)[0]
 
 
 def compute_policy_loss_fipo(
