@@ -402,16 +402,10 @@ class WarmStartConfig(_Section):
                                      "point of a fixed step count varies with the machine; an accuracy target does "
                                      "not. 0 = off: exactly warm_start.steps steps, no checks.")
     eval_interval: int = _f(50, ge=1, help="Adaptive warm start: supervised steps between accuracy checks (a check "
-                                           "also runs at the cap).")
+                                           "also runs at the cap, so a cap below the interval checks once, there).")
     eval_problems: int = _f(256, ge=1, help="Adaptive warm start: training-format problems held out of the "
                                             "supervised data (the last ones of train_dataset; never the validation "
                                             "set) and answered greedily at each check.")
-
-    def _check(self) -> List[Tuple[str, str]]:
-        if self.target_accuracy > 0 and 0 < self.steps < self.eval_interval:
-            return [("eval_interval", f"got {self.eval_interval}, more than warm_start.steps={self.steps} (the cap), "
-                                      "so the target would only be checked at the cap; set eval_interval <= steps")]
-        return []
 
 
 @dataclass
