@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 
 def summary_row(run_dir: Path) -> dict[str, Any]:
-    """Steps, final reward (mean over the last 10% of steps), last eval accuracy, staleness and masked / clip
+    """Steps, final generated / consumed reward (means over the last 10% of steps), last eval accuracy, staleness and masked / clip
     fraction, from ``run_dir/metrics.jsonl``."""
     from stalerl.sweep import summarize_run
 
@@ -38,8 +38,9 @@ def format_run_summary(row: dict[str, Any], run_dir: Path, *, wall_s: Optional[f
     wall = f"{wall_s:.0f}s" if wall_s is not None else "-"
     lines = [
         f"== run finished: {run_dir}",
-        f"   steps {_num(row.get('steps'))} | wall time {wall} | final reward {_num(row.get('final_reward'))} "
-        f"(mean of the last 10% of steps) | eval accuracy {eval_s}",
+        f"   steps {_num(row.get('steps'))} | wall time {wall} | final reward generated "
+        f"{_num(row.get('final_reward_generated'))}, consumed {_num(row.get('final_reward_consumed'))} "
+        f"(means of the last 10% of steps) | eval accuracy {eval_s}",
         f"   staleness avg {_num(row.get('staleness_avg'))}, max {_num(row.get('staleness_max'))}"
         + (" | " + ", ".join(trust) if trust else ""),
         "   outputs:",

@@ -174,12 +174,21 @@ def test_data_hint_names_real_keys():
 
 # ------------------------------------------------------------------------------------------------ output
 def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
+    import json
+
+    from stalerl.run_summary_console import summary_row
+
     (tmp_path / "final_model").mkdir()
     (tmp_path / "tensorboard").mkdir()
-    row = {"steps": 300, "final_reward": 0.2, "final_eval_accuracy": 0.33, "staleness_avg": 3.9,
-           "staleness_max": 4.0, "masked_fraction": 0.012, "clip_fraction": None}
+    # The row comes from a metrics.jsonl as the trainer writes it (names included), not from a hand-made dict.
+    records = [{"step": s, "reward/generated": 0.3, "reward/consumed": 0.2, "reward": 0.2, "staleness/avg": 3.9,
+                "staleness/max": 4.0, "actor/m2po/masked_fraction": 0.012} for s in range(1, 301)]
+    records[-1]["eval/accuracy"] = 0.33
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = summary_row(tmp_path)
     text = format_run_summary(row, tmp_path, wall_s=81.4, first_eval=0.07)
-    assert "steps 300" in text and "wall time 81s" in text and "final reward 0.2" in text
+    assert "steps 300" in text and "wall time 81s" in text
+    assert "final reward generated 0.3, consumed 0.2" in text
     assert "eval accuracy 0.07 -> 0.33" in text and "staleness avg 3.9, max 4" in text
     assert "masked fraction 0.012" in text and "clip fraction" not in text
     for part in ("metrics.jsonl", "tensorboard --logdir", "final_model", "stalerl-plot"):
