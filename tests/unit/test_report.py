@@ -228,7 +228,8 @@ def test_study_specs_expand_and_validate(tmp_path):
 
     spec = load_spec(REPO / "examples" / "math" / "study" / "staleness.yaml")
     runs = expand(spec)
-    assert len(runs) == 3 * 4 * 5 and len({r["trial"] for r in runs}) == len(runs)
+    assert spec["losses"] == ["m2po", "vanilla", "no_trust_region", "fipo"]
+    assert len(runs) == 4 * 4 * 5 and len({r["trial"] for r in runs}) == len(runs)
     spec = load_spec(REPO / "examples" / "math" / "study" / "async.yaml")
     assert list(spec["settings"]) == ["stale 4 d1+d1 rollout 32", "stale 16 d2+d1 rollout 64",
                                       "stale 256 d2+d1 rollout 96"]
