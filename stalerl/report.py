@@ -153,6 +153,10 @@ class Cell:
     def estimate(self, field: str) -> Estimate:
         return mean_interval([v for v in (_fraction_field(r, field) for r in self.finished) if v is not None])
 
+    def per_seed(self, field: str) -> dict[int, float]:
+        """seed -> this field, for the finished runs that have it (for paired comparisons across cells)."""
+        return {r["seed"]: v for r in self.finished if (v := _fraction_field(r, field)) is not None}
+
     def value(self, field: str) -> str:
         if not self.finished:
             return "failed" if self.failed else "missing"
@@ -184,8 +188,8 @@ class Cell:
         acc = format_estimate(mean_interval([w["accuracy"] for w in ws if "accuracy" in w]))
         per_seed = ", ".join(f"seed {r['seed']} {r['warm_start'].get('accuracy', float('nan')):.3f} at step "
                              f"{r['warm_start']['steps']:.0f}" for r in runs)
-        return (f"{self.setting}, {self.method}: target {targets} reached by {reached}/{len(runs)} seeds; steps "
-                f"{steps} (cap {caps}); held-out greedy accuracy at the end {acc} ({per_seed})")
+        return (f"target {targets} reached by {reached}/{len(runs)} seeds; steps {steps} (cap {caps}); held-out "
+                f"greedy accuracy at the end {acc} ({per_seed})")
 
     def staleness(self) -> str:
         if not self.finished:
@@ -246,7 +250,11 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
     rows = [[c.setting, c.method, c.value(DETAIL_COLUMNS[0][1]), c.staleness(),
              *(c.value(f) for _, f in DETAIL_COLUMNS[1:])] for c in cells]
     lines += _table(header, rows)
-    ws_lines = [w for w in (c.warm_start() for c in cells) if w]
+    ws = [(c, w) for c, w in ((c, c.warm_start()) for c in cells) if w]
+    if len(ws) > 1 and len({w for _, w in ws}) == 1:  # one cached warm start per seed, shared by every row
+        ws_lines = [f"every row (one warm start per seed, shared by all methods and settings): {ws[0][1]}"]
+    else:
+        ws_lines = [f"{c.setting}, {c.method}: {w}" for c, w in ws]
     if ws_lines:  # only for adaptive warm starts (warm_start.target_accuracy > 0): other blocks stay as they were
         lines += ["", "Adaptive warm start (stops at the first check whose greedy accuracy on held-out training "
                   "problems reaches the target; steps = its cap):", "", *(f"- {w}" for w in ws_lines)]

@@ -1,8 +1,11 @@
 """The published claims, checked against a study's numbers (so the doc's verdicts are generated, never typed).
 
-A comparison "A < B" *holds* when the 95% intervals of the two means are disjoint in that direction, *does not
-hold* when they are disjoint the other way, and is *inconclusive* when they overlap (or a side has fewer than two
-finished seeds). Disjoint intervals are a conservative test; the verdict is about this scale and these seeds only.
+Comparisons are paired by seed: within one study a seed fixes the initial weights, the warm-started model and the
+data order for every method and setting, so "A < B" is judged on the per-seed differences A_seed - B_seed. It
+*holds* when the two-sided 95% Student-t interval of the mean difference lies entirely below 0, *does not hold*
+when it lies entirely above, and is *inconclusive* when it contains 0 (or fewer than two seeds have both values).
+Pairing removes the seed-to-seed spread of the warm start, which dominates the unpaired intervals in the tables.
+The verdict is about this scale and these seeds only.
 
 - ``staleness`` (loss x fixed_staleness; the M2PO paper): clip degrades with staleness; no trust region prospers
   then collapses; M2PO tracks on-policy; M2PO masks far fewer tokens than clip clips.
@@ -19,23 +22,42 @@ from stalerl.report_stats import Estimate, format_estimate, mean_interval
 KINDS = ("staleness", "async")
 
 
-def compare(a: Estimate, b: Estimate) -> str:
-    """'<', '>' when the intervals are disjoint, '~' when they overlap, '?' when one is missing (n < 2)."""
-    if a.half_width is None or b.half_width is None:
+def compare(diff: Estimate) -> str:
+    """'<' / '>' when the interval of a difference lies below / above 0, '~' when it contains 0, '?' when n < 2."""
+    if diff.half_width is None:
         return "?"
-    if a.high < b.low:
+    if diff.high < 0:
         return "<"
-    if a.low > b.high:
+    if diff.low > 0:
         return ">"
     return "~"
 
 
-def _verdict(results: Sequence[str], want: str) -> str:
-    if results and all(r == want for r in results):
-        return "**holds**"
-    if any(r not in (want, "~", "?") for r in results):
-        return "**does not hold**"
-    return "**inconclusive**" if results else "**not measured**"
+def paired_difference(a, b, field: str, field_b: Optional[str] = None) -> Estimate:
+    """Mean and 95% interval of a_seed - b_seed over the seeds both cells finished (a, b: report Cells)."""
+    av, bv = a.per_seed(field), b.per_seed(field_b or field)
+    return mean_interval([av[s] - bv[s] for s in sorted(set(av) & set(bv))])
+
+
+def _word(result: str, want: str, consistent: bool = False) -> str:
+    """One comparison's verdict. consistent=True: the claim is 'not on the wrong side' (tracking), so an interval
+    containing 0 is consistent with it rather than inconclusive."""
+    if result == want:
+        return "holds"
+    if result in ("~", "?"):
+        return "consistent" if consistent and result == "~" else "inconclusive"
+    return "does not hold"
+
+
+def _verdict(labels: Sequence[str], results: Sequence[str], want: str, consistent: bool = False) -> str:
+    """'**holds** at every setting', or the settings grouped by verdict when they differ."""
+    words = [_word(r, want, consistent) for r in results]
+    if not words:
+        return "**not measured**"
+    if len(set(words)) == 1:
+        return f"**{words[0]}**" + (" at every setting" if len(words) > 1 else f" at {labels[0]}")
+    return "; ".join(f"**{w}** at {', '.join(lab for lab, x in zip(labels, words) if x == w)}"
+                     for w in dict.fromkeys(words))
 
 
 def _stale(setting: str) -> Optional[int]:
@@ -47,87 +69,80 @@ def _fmt(e: Estimate, digits: int = 3) -> str:
     return format_estimate(e, digits)
 
 
+def _paired_claim(pairs, field: str, field_b: Optional[str] = None, *, want: str, consistent: bool = False,
+                  digits: int = 3) -> str:
+    """Verdict and evidence for [(setting, cell a, cell b)]: a - b paired by seed, claimed to be `want` 0."""
+    labels, res, parts = [], [], []
+    for label, a, b in pairs:
+        d = paired_difference(a, b, field, field_b)
+        if d.n == 0:
+            continue
+        labels.append(label)
+        res.append(compare(d))
+        av, bv = a.per_seed(field), b.per_seed(field_b or field)
+        higher = sum(av[s] > bv[s] for s in set(av) & set(bv))
+        parts.append(f"{label}: {_fmt(a.estimate(field), digits)} vs {_fmt(b.estimate(field_b or field), digits)}, "
+                     f"paired difference {_fmt(d, digits)}, higher in {higher}/{d.n} seeds")
+    return f"{_verdict(labels, res, want, consistent)} ({'; '.join(parts) or 'no data'})"
+
+
 def staleness_claims(cells) -> list[str]:
     get: Callable[[str, str], Optional[object]] = lambda m, s: next(  # noqa: E731
         (c for c in cells if c.method == m and c.setting == s and c.finished), None)
     settings = sorted({c.setting for c in cells if _stale(c.setting) is not None}, key=_stale)
     on = next((s for s in settings if _stale(s) == 0), None)
     stale = [s for s in settings if _stale(s)]
+
+    def against(loss: str, other: Callable[[str], Optional[object]]):
+        """[(S, this loss at S, the other cell for S)] for every S > 0 where both finished."""
+        return [(s, get(loss, s), other(s)) for s in stale if get(loss, s) and other(s)]
+
+    def on_policy(loss: str) -> Callable[[str], Optional[object]]:
+        return lambda s: get(loss, on) if on else None
+
     out = []
-    # 1. Clip degrades with staleness: vanilla's final eval below its on-policy value.
-    base = get("vanilla", on) if on else None
-    res, parts = [], []
-    for s in stale:
-        c = get("vanilla", s)
-        if base and c:
-            res.append(compare(c.estimate("eval.final"), base.estimate("eval.final")))
-            parts.append(f"{s}: {_fmt(c.estimate('eval.final'))}")
-    if base:
-        parts.insert(0, f"on-policy {_fmt(base.estimate('eval.final'))}")
-    out.append(f"Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy at every S > 0): "
-               f"{_verdict(res, '<')} ({'; '.join(parts) or 'no data'}).")
-    # 2. No trust region prospers then collapses: per seed, best eval minus final eval, above 0 at the largest S.
+    # 1. Clip degrades with staleness: vanilla's final eval below its own on-policy value, seed by seed.
+    out.append("Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla; stale vs "
+               f"on-policy): {_paired_claim(against('vanilla', on_policy('vanilla')), 'eval.final', want='<')}.")
+    # 2. No trust region prospers then collapses: per seed, best eval minus final eval above 0 at the largest S.
     if stale and get("no_trust_region", stale[-1]):
         c = get("no_trust_region", stale[-1])
         drop = mean_interval([r["eval"]["best"] - r["eval"]["final"] for r in c.finished
                               if r["eval"].get("best") is not None and r["eval"].get("final") is not None])
-        r = compare(Estimate(1, 0.0, 0.0), drop)
-        out.append(f"No trust region prospers then collapses (at {stale[-1]}, best minus final eval above 0): "
-                   f"{_verdict([r], '<')} (drop {_fmt(drop)}).")
+        out.append(f"No trust region prospers then collapses (best minus final eval above 0): "
+                   f"{_verdict([stale[-1]], [compare(drop)], '>')} (drop {_fmt(drop)}).")
     else:
         out.append("No trust region prospers then collapses: **not measured**.")
-    # 3. M2PO tracks on-policy: intervals overlap with on-policy M2PO at every S (or M2PO is above it).
-    base = get("m2po", on) if on else None
-    res, parts = [], []
-    for s in stale:
-        c = get("m2po", s)
-        if base and c:
-            r = compare(c.estimate("eval.final"), base.estimate("eval.final"))
-            res.append({"~": "=", ">": "="}.get(r, r))  # overlapping or above on-policy: tracks it
-            parts.append(f"{s}: {_fmt(c.estimate('eval.final'))}")
-    if base:
-        parts.insert(0, f"on-policy {_fmt(base.estimate('eval.final'))}")
-    verdict = _verdict(res, "=")
-    if verdict == "**holds**":  # overlap is consistency with on-policy, not a proof of equality
-        verdict = "**consistent**"
-    out.append(f"M2PO tracks on-policy (final eval not below on-policy M2PO at any S): {verdict} "
-               f"({'; '.join(parts) or 'no data'}).")
-    # 4. M2PO masks far fewer tokens than clip clips.
-    res, parts = [], []
-    for s in stale:
-        m, v = get("m2po", s), get("vanilla", s)
-        if m and v:
-            em, ev = m.estimate("fractions.m2po/masked_fraction"), v.estimate("fractions.vanilla/clip_fraction")
-            if em.mean is not None and ev.mean is not None:
-                res.append(compare(em, ev))
-                parts.append(f"{s}: masked {_fmt(em, 4)} vs clipped {_fmt(ev, 4)}")
-    out.append(f"M2PO masks fewer tokens than clip clips (at every S > 0): {_verdict(res, '<')} "
-               f"({'; '.join(parts) or 'no data'}).")
+    # 3. M2PO tracks on-policy: its final eval is not below on-policy M2PO's at any S, seed by seed.
+    out.append("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
+               f"{_paired_claim(against('m2po', on_policy('m2po')), 'eval.final', want='>', consistent=True)}.")
+    # 4. M2PO beats clip at the same staleness (the paper's headline comparison).
+    out.append("M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness (m2po vs vanilla): "
+               f"{_paired_claim(against('m2po', lambda s: get('vanilla', s)), 'eval.final', want='>')}.")
+    # 5. M2PO masks far fewer tokens than clip clips (same seed, same S).
+    masked = _paired_claim(against("m2po", lambda s: get("vanilla", s)), "fractions.m2po/masked_fraction",
+                           "fractions.vanilla/clip_fraction", want="<", digits=4)
+    out.append(f"M2PO masks fewer tokens than clip clips (m2po masked vs vanilla clipped): {masked}.")
     return out
 
 
 def async_claims(cells) -> list[str]:
     settings = list(dict.fromkeys(c.setting for c in cells))
     get = lambda m, s: next((c for c in cells if c.method == m and c.setting == s and c.finished), None)  # noqa: E731
-    out = []
-    for label, field, want, text in (
-            ("grad norm", "grad_norm.mean", ">", "GRPO's (vanilla) grad norm is higher than M2PO's"),
-            ("eval", "eval.final", "<", "M2PO's final eval accuracy is higher than GRPO's (vanilla)")):
-        res, parts = [], []
-        for s in settings:
-            v, m = get("vanilla", s), get("m2po", s)
-            if v and m:
-                res.append(compare(v.estimate(field), m.estimate(field)))
-                parts.append(f"{s}: vanilla {_fmt(v.estimate(field))} vs m2po {_fmt(m.estimate(field))}")
-        out.append(f"{text} (every setting): {_verdict(res, want)} ({'; '.join(parts) or 'no data'}).")
-    return out
+    pairs = [(s, get("vanilla", s), get("m2po", s)) for s in settings if get("vanilla", s) and get("m2po", s)]
+    return [f"GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): "
+            f"{_paired_claim(pairs, 'grad_norm.mean', want='>')}.",
+            f"M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): "
+            f"{_paired_claim(pairs, 'eval.final', want='<')}."]
 
 
 def render_claims(cells, kind: str) -> list[str]:
     if kind not in KINDS:
         raise ValueError(f"unknown claims kind {kind!r}; expected one of {', '.join(KINDS)}")
     claims = staleness_claims(cells) if kind == "staleness" else async_claims(cells)
-    return ["Claims checked against these numbers (holds / does not hold: the 95% intervals are disjoint in / "
-            "against the claimed direction; inconclusive: they overlap or have fewer than 2 seeds; consistent: "
-            "overlapping with on-policy, which is what tracking predicts but does not prove):", "",
+    return ["Claims checked against these numbers, paired by seed (a seed fixes the initial weights, the warm-started "
+            "model and the data order across methods and settings; a ± b is the mean per-seed difference and the "
+            "half-width of its two-sided 95% Student-t interval). Holds / does not hold: that interval lies on / "
+            "against the claimed side of 0; inconclusive: it contains 0, or fewer than 2 seeds; consistent: it "
+            "contains 0 where the claim is 'not below' (tracking predicts that, but it does not prove equality):", "",
             *(f"- {c}" for c in claims)]

@@ -325,19 +325,25 @@ def test_staleness_claims_verdicts():
                  _fake("vanilla", "fixed_staleness 16", seed, 0.2 + eps, 0.3, frac=0.02 + eps / 100),
                  _fake("no_trust_region", "fixed_staleness 16", seed, 0.1 + eps, 0.6 + eps)]
     text = "\n".join(render_claims(group(rows), "staleness"))
-    assert "Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy at every S > 0): **holds**" in text
-    assert "No trust region prospers then collapses (at fixed_staleness 16, best minus final eval above 0): " \
-           "**holds** (drop 0.500 ± 0.000)" in text
-    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **consistent**" in text
-    assert "M2PO masks fewer tokens than clip clips (at every S > 0): **holds**" in text
+    assert ("Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla; stale vs on-policy): "
+            "**holds** at fixed_staleness 16 (") in text
+    assert "No trust region prospers then collapses (best minus final eval above 0): " \
+           "**holds** at fixed_staleness 16 (drop 0.500 ± 0.000)" in text
+    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
+            "**consistent** at fixed_staleness 16 (fixed_staleness 16: 0.500 ± 0.050 vs 0.500 ± 0.025, paired "
+            "difference 0.000 ± 0.025, higher in 1/3 seeds)") in text
+    assert ("M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness (m2po vs vanilla): "
+            "**holds** at fixed_staleness 16") in text
+    assert ("M2PO masks fewer tokens than clip clips (m2po masked vs vanilla clipped): **holds** at "
+            "fixed_staleness 16") in text
     # M2PO far below on-policy -> does not hold; one seed only -> inconclusive.
     worse = [dict(r, eval={"final": 0.1 + r["seed"] / 100, "best": 0.2}) if (r["loss"], r["setting"]) == (
         "m2po", "fixed_staleness 16") else r for r in rows]
-    assert "M2PO tracks on-policy (final eval not below on-policy M2PO at any S): **does not hold**" in "\n".join(
-        render_claims(group(worse), "staleness"))
+    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
+            "**does not hold** at fixed_staleness 16") in "\n".join(render_claims(group(worse), "staleness"))
     one = [r for r in rows if r["seed"] == 1]
-    assert "degrades with staleness (final eval below on-policy at every S > 0): **inconclusive**" in "\n".join(
-        render_claims(group(one), "staleness"))
+    assert ("degrades with staleness (final eval below on-policy vanilla; stale vs on-policy): "
+            "**inconclusive** at fixed_staleness 16") in "\n".join(render_claims(group(one), "staleness"))
 
 
 def test_async_claims_verdicts():
@@ -348,8 +354,64 @@ def test_async_claims_verdicts():
         rows += [_fake("vanilla", "stale 4 d1+d1 rollout 32", seed, 0.3 + eps, 0.3, gn=2.0 + eps),
                  _fake("m2po", "stale 4 d1+d1 rollout 32", seed, 0.3 - eps, 0.3, gn=1.0 + eps)]
     text = "\n".join(render_claims(group(rows), "async"))
-    assert "GRPO's (vanilla) grad norm is higher than M2PO's (every setting): **holds**" in text
-    assert "M2PO's final eval accuracy is higher than GRPO's (vanilla) (every setting): **inconclusive**" in text
+    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): **holds** at stale 4 d1+d1 "
+            "rollout 32") in text
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **inconclusive** at "
+            "stale 4 d1+d1 rollout 32") in text
+    # Settings that disagree are named by verdict, in setting order.
+    for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        rows += [_fake("vanilla", "stale 16 d2+d1 rollout 64", seed, 0.3, 0.3, gn=1.0 + eps),
+                 _fake("m2po", "stale 16 d2+d1 rollout 64", seed, 0.3, 0.3, gn=2.0)]
+    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): **holds** at stale 4 d1+d1 "
+            "rollout 32; **does not hold** at stale 16 d2+d1 rollout 64 (stale 4 d1+d1 rollout 32: 2.000 ± 0.025 "
+            "vs 1.000 ± 0.025, paired difference 1.000 ± 0.000, higher in 3/3 seeds; stale 16 d2+d1 rollout 64: "
+            "1.000 ± 0.025 vs 2.000 ± 0.000, paired difference -1.000 ± 0.025, higher in 0/3 seeds).") \
+        in "\n".join(render_claims(group(rows, settings=["stale 4 d1+d1 rollout 32", "stale 16 d2+d1 rollout 64"]),
+                                   "async"))
+
+
+def test_a_shared_warm_start_is_listed_once():
+    from stalerl.report import render_markdown
+
+    def run(loss, setting, seed, acc):
+        return dict(_fake(loss, setting, seed, 0.5, 0.5), warm_start={
+            "target_accuracy": 0.25, "cap": 1500, "steps": 100 * seed, "accuracy": acc, "target_reached": 1.0})
+
+    shared = [run(loss, s, seed, 0.3) for loss in ("m2po", "vanilla") for s in ("fixed_staleness 0", "fixed_staleness 4")
+              for seed in (1, 2)]
+    text = render_markdown(group(shared), study="x")
+    assert text.count("target 0.25 reached by 2/2 seeds") == 1
+    assert "- every row (one warm start per seed, shared by all methods and settings): target 0.25" in text
+    own = shared[:-1] + [run("vanilla", "fixed_staleness 4", 2, 0.4)]  # one cell's warm start differs
+    text = render_markdown(group(own), study="x")
+    assert text.count("target 0.25 reached by 2/2 seeds") == 4 and "every row" not in text
+    assert "- fixed_staleness 4, vanilla: target 0.25 reached by 2/2 seeds" in text
+
+
+def test_claims_are_paired_by_seed():
+    """Seed-to-seed spread that both sides share does not hide a consistent per-seed difference, and only seeds
+    present on both sides are paired."""
+    from stalerl.report_claims import paired_difference, render_claims
+
+    rows = []
+    for seed, base in ((1, 0.2), (2, 0.5), (3, 0.8), (4, 0.35)):  # the warm start's spread: unpaired intervals overlap
+        rows += [_fake("vanilla", "stale 16 d2+d1 rollout 64", seed, base, base, gn=1.5 + base),
+                 _fake("m2po", "stale 16 d2+d1 rollout 64", seed, base + 0.05 + seed / 1000, base, gn=1.0 + base)]
+    cells = group(rows)
+    m, v = cells  # methods in name order
+    assert v.estimate("eval.final").high > m.estimate("eval.final").low  # overlapping, unpaired
+    d = paired_difference(m, v, "eval.final")
+    assert d.n == 4 and d.mean == pytest.approx(0.0525) and 0 < d.low < d.high < 0.06
+    text = "\n".join(render_claims(cells, "async"))
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **holds** at "
+            "stale 16 d2+d1 rollout 64") in text
+    assert "paired difference -0.053 ± " in text
+    # Seed 4 only on one side: 3 pairs; one pair: inconclusive ('?').
+    assert paired_difference(m, group([r for r in rows if not (r["loss"] == "vanilla" and r["seed"] == 4)])[1],
+                             "eval.final").n == 3
+    one = [r for r in rows if r["seed"] == 1 or r["loss"] == "m2po"]
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **inconclusive** at "
+            "stale 16 d2+d1 rollout 64") in "\n".join(render_claims(group(one), "async"))
 
 
 @pytest.mark.parametrize("spec_path", sorted((REPO / "examples" / "math" / "study").glob("*.yaml")),
@@ -363,3 +425,19 @@ def test_every_shipped_study_spec_validates(spec_path):
     runs = expand(spec)
     assert len(check_settings(spec, runs)) == len(runs) >= 5
     assert f"<!-- results:begin {spec['name']} -->" in (REPO / spec["doc"]).read_text()
+
+
+def test_readme_quotes_the_committed_default_study():
+    """The README's default-run figures are the committed default study's numbers (not typed independently)."""
+    cells = group(load_summaries([REPO / "docs" / "algorithms" / "results" / "default"]))
+    assert len(cells) == 1 and len(cells[0].finished) >= 5
+    (cell,) = cells
+    start, end = cell.estimate("eval.initial"), cell.estimate("eval.final")
+    readme = " ".join((REPO / "README.md").read_text().split())  # line breaks do not matter
+    assert (f"**{format_estimate(start, 2)}** after the warm start to **{format_estimate(end, 2)}** at step "
+            f"{int(cell.finished[0]['steps_done'])}") in readme
+    bounds = f"{start.low:.2f}-{start.high:.2f} → {end.low:.2f}-{end.high:.2f}"
+    singles = [sorted(r["eval"][k] for r in cell.finished) for k in ("initial", "final")]
+    seeds = f"{singles[0][0]:.2f}-{singles[0][-1]:.2f} → {singles[1][0]:.2f}-{singles[1][-1]:.2f}"
+    assert f"i.e. {bounds}; single seeds ranged {seeds}" in readme
+    assert f"over {len(cell.finished)} seeds" in readme
