@@ -69,9 +69,10 @@ def _fmt(e: Estimate, digits: int = 3) -> str:
     return format_estimate(e, digits)
 
 
-def _paired_claim(pairs, field: str, field_b: Optional[str] = None, *, want: str, consistent: bool = False,
-                  digits: int = 3) -> str:
-    """Verdict and evidence for [(setting, cell a, cell b)]: a - b paired by seed, claimed to be `want` 0."""
+def _paired_claim(pairs, names: tuple[str, str], field: str, field_b: Optional[str] = None, *, want: str,
+                  consistent: bool = False, digits: int = 3) -> str:
+    """Verdict and evidence for [(setting, cell a, cell b)]: a - b paired by seed, claimed to be `want` 0.
+    names: how the evidence calls a and b."""
     labels, res, parts = [], [], []
     for label, a, b in pairs:
         d = paired_difference(a, b, field, field_b)
@@ -81,8 +82,9 @@ def _paired_claim(pairs, field: str, field_b: Optional[str] = None, *, want: str
         res.append(compare(d))
         av, bv = a.per_seed(field), b.per_seed(field_b or field)
         higher = sum(av[s] > bv[s] for s in set(av) & set(bv))
-        parts.append(f"{label}: {_fmt(a.estimate(field), digits)} vs {_fmt(b.estimate(field_b or field), digits)}, "
-                     f"paired difference {_fmt(d, digits)}, higher in {higher}/{d.n} seeds")
+        parts.append(f"{label}: {names[0]} {_fmt(a.estimate(field), digits)} vs {names[1]} "
+                     f"{_fmt(b.estimate(field_b or field), digits)}, paired difference {_fmt(d, digits)}, "
+                     f"{names[0]} higher in {higher}/{d.n} seeds")
     return f"{_verdict(labels, res, want, consistent)} ({'; '.join(parts) or 'no data'})"
 
 
@@ -100,10 +102,14 @@ def staleness_claims(cells) -> list[str]:
     def on_policy(loss: str) -> Callable[[str], Optional[object]]:
         return lambda s: get(loss, on) if on else None
 
+    def vs_vanilla(s: str) -> Optional[object]:
+        return get("vanilla", s)
+
+    stale_vs_on = ("stale", "on-policy")
     out = []
     # 1. Clip degrades with staleness: vanilla's final eval below its own on-policy value, seed by seed.
-    out.append("Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla; stale vs "
-               f"on-policy): {_paired_claim(against('vanilla', on_policy('vanilla')), 'eval.final', want='<')}.")
+    degrades = _paired_claim(against("vanilla", on_policy("vanilla")), stale_vs_on, "eval.final", want="<")
+    out.append(f"Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla): {degrades}.")
     # 2. No trust region prospers then collapses: per seed, best eval minus final eval above 0 at the largest S.
     if stale and get("no_trust_region", stale[-1]):
         c = get("no_trust_region", stale[-1])
@@ -114,15 +120,15 @@ def staleness_claims(cells) -> list[str]:
     else:
         out.append("No trust region prospers then collapses: **not measured**.")
     # 3. M2PO tracks on-policy: its final eval is not below on-policy M2PO's at any S, seed by seed.
-    out.append("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
-               f"{_paired_claim(against('m2po', on_policy('m2po')), 'eval.final', want='>', consistent=True)}.")
+    tracks = _paired_claim(against("m2po", on_policy("m2po")), stale_vs_on, "eval.final", want=">", consistent=True)
+    out.append(f"M2PO tracks on-policy (final eval not below on-policy M2PO): {tracks}.")
     # 4. M2PO beats clip at the same staleness (the paper's headline comparison).
-    out.append("M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness (m2po vs vanilla): "
-               f"{_paired_claim(against('m2po', lambda s: get('vanilla', s)), 'eval.final', want='>')}.")
+    beats = _paired_claim(against("m2po", vs_vanilla), ("m2po", "vanilla"), "eval.final", want=">")
+    out.append(f"M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness: {beats}.")
     # 5. M2PO masks far fewer tokens than clip clips (same seed, same S).
-    masked = _paired_claim(against("m2po", lambda s: get("vanilla", s)), "fractions.m2po/masked_fraction",
-                           "fractions.vanilla/clip_fraction", want="<", digits=4)
-    out.append(f"M2PO masks fewer tokens than clip clips (m2po masked vs vanilla clipped): {masked}.")
+    masked = _paired_claim(against("m2po", vs_vanilla), ("m2po masked", "vanilla clipped"),
+                           "fractions.m2po/masked_fraction", "fractions.vanilla/clip_fraction", want="<", digits=4)
+    out.append(f"M2PO masks fewer tokens than clip clips: {masked}.")
     return out
 
 
@@ -130,10 +136,11 @@ def async_claims(cells) -> list[str]:
     settings = list(dict.fromkeys(c.setting for c in cells))
     get = lambda m, s: next((c for c in cells if c.method == m and c.setting == s and c.finished), None)  # noqa: E731
     pairs = [(s, get("vanilla", s), get("m2po", s)) for s in settings if get("vanilla", s) and get("m2po", s)]
-    return [f"GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): "
-            f"{_paired_claim(pairs, 'grad_norm.mean', want='>')}.",
-            f"M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): "
-            f"{_paired_claim(pairs, 'eval.final', want='<')}."]
+    names = ("vanilla", "m2po")
+    return [f"GRPO's (vanilla) mean grad norm is higher than M2PO's: "
+            f"{_paired_claim(pairs, names, 'grad_norm.mean', want='>')}.",
+            f"M2PO's final eval accuracy is higher than GRPO's (vanilla): "
+            f"{_paired_claim(pairs, names, 'eval.final', want='<')}."]
 
 
 def render_claims(cells, kind: str) -> list[str]:

@@ -325,24 +325,24 @@ def test_staleness_claims_verdicts():
                  _fake("vanilla", "fixed_staleness 16", seed, 0.2 + eps, 0.3, frac=0.02 + eps / 100),
                  _fake("no_trust_region", "fixed_staleness 16", seed, 0.1 + eps, 0.6 + eps)]
     text = "\n".join(render_claims(group(rows), "staleness"))
-    assert ("Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla; stale vs on-policy): "
+    assert ("Clip (vanilla/GRPO) degrades with staleness (final eval below on-policy vanilla): "
             "**holds** at fixed_staleness 16 (") in text
     assert "No trust region prospers then collapses (best minus final eval above 0): " \
            "**holds** at fixed_staleness 16 (drop 0.500 ± 0.000)" in text
-    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
-            "**consistent** at fixed_staleness 16 (fixed_staleness 16: 0.500 ± 0.050 vs 0.500 ± 0.025, paired "
-            "difference 0.000 ± 0.025, higher in 1/3 seeds)") in text
-    assert ("M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness (m2po vs vanilla): "
+    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO): **consistent** at fixed_staleness 16 "
+            "(fixed_staleness 16: stale 0.500 ± 0.050 vs on-policy 0.500 ± 0.025, paired difference 0.000 ± 0.025, "
+            "stale higher in 1/3 seeds)") in text
+    assert ("M2PO's final eval is higher than clip's (vanilla/GRPO) at the same staleness: "
             "**holds** at fixed_staleness 16") in text
-    assert ("M2PO masks fewer tokens than clip clips (m2po masked vs vanilla clipped): **holds** at "
+    assert ("M2PO masks fewer tokens than clip clips: **holds** at "
             "fixed_staleness 16") in text
     # M2PO far below on-policy -> does not hold; one seed only -> inconclusive.
     worse = [dict(r, eval={"final": 0.1 + r["seed"] / 100, "best": 0.2}) if (r["loss"], r["setting"]) == (
         "m2po", "fixed_staleness 16") else r for r in rows]
-    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO; stale vs on-policy): "
+    assert ("M2PO tracks on-policy (final eval not below on-policy M2PO): "
             "**does not hold** at fixed_staleness 16") in "\n".join(render_claims(group(worse), "staleness"))
     one = [r for r in rows if r["seed"] == 1]
-    assert ("degrades with staleness (final eval below on-policy vanilla; stale vs on-policy): "
+    assert ("degrades with staleness (final eval below on-policy vanilla): "
             "**inconclusive** at fixed_staleness 16") in "\n".join(render_claims(group(one), "staleness"))
 
 
@@ -354,18 +354,18 @@ def test_async_claims_verdicts():
         rows += [_fake("vanilla", "stale 4 d1+d1 rollout 32", seed, 0.3 + eps, 0.3, gn=2.0 + eps),
                  _fake("m2po", "stale 4 d1+d1 rollout 32", seed, 0.3 - eps, 0.3, gn=1.0 + eps)]
     text = "\n".join(render_claims(group(rows), "async"))
-    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): **holds** at stale 4 d1+d1 "
-            "rollout 32") in text
-    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **inconclusive** at "
+    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's: **holds** at stale 4 d1+d1 rollout 32") in text
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla): **inconclusive** at "
             "stale 4 d1+d1 rollout 32") in text
     # Settings that disagree are named by verdict, in setting order.
     for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
         rows += [_fake("vanilla", "stale 16 d2+d1 rollout 64", seed, 0.3, 0.3, gn=1.0 + eps),
                  _fake("m2po", "stale 16 d2+d1 rollout 64", seed, 0.3, 0.3, gn=2.0)]
-    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's (vanilla vs m2po): **holds** at stale 4 d1+d1 "
-            "rollout 32; **does not hold** at stale 16 d2+d1 rollout 64 (stale 4 d1+d1 rollout 32: 2.000 ± 0.025 "
-            "vs 1.000 ± 0.025, paired difference 1.000 ± 0.000, higher in 3/3 seeds; stale 16 d2+d1 rollout 64: "
-            "1.000 ± 0.025 vs 2.000 ± 0.000, paired difference -1.000 ± 0.025, higher in 0/3 seeds).") \
+    assert ("GRPO's (vanilla) mean grad norm is higher than M2PO's: **holds** at stale 4 d1+d1 rollout 32; **does "
+            "not hold** at stale 16 d2+d1 rollout 64 (stale 4 d1+d1 rollout 32: vanilla 2.000 ± 0.025 vs m2po 1.000 "
+            "± 0.025, paired difference 1.000 ± 0.000, vanilla higher in 3/3 seeds; stale 16 d2+d1 rollout 64: "
+            "vanilla 1.000 ± 0.025 vs m2po 2.000 ± 0.000, paired difference -1.000 ± 0.025, vanilla higher in 0/3 "
+            "seeds).") \
         in "\n".join(render_claims(group(rows, settings=["stale 4 d1+d1 rollout 32", "stale 16 d2+d1 rollout 64"]),
                                    "async"))
 
@@ -403,14 +403,14 @@ def test_claims_are_paired_by_seed():
     d = paired_difference(m, v, "eval.final")
     assert d.n == 4 and d.mean == pytest.approx(0.0525) and 0 < d.low < d.high < 0.06
     text = "\n".join(render_claims(cells, "async"))
-    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **holds** at "
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla): **holds** at "
             "stale 16 d2+d1 rollout 64") in text
     assert "paired difference -0.053 ± " in text
     # Seed 4 only on one side: 3 pairs; one pair: inconclusive ('?').
     assert paired_difference(m, group([r for r in rows if not (r["loss"] == "vanilla" and r["seed"] == 4)])[1],
                              "eval.final").n == 3
     one = [r for r in rows if r["seed"] == 1 or r["loss"] == "m2po"]
-    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla vs m2po): **inconclusive** at "
+    assert ("M2PO's final eval accuracy is higher than GRPO's (vanilla): **inconclusive** at "
             "stale 16 d2+d1 rollout 64") in "\n".join(render_claims(group(one), "async"))
 
 
