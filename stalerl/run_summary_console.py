@@ -36,10 +36,14 @@ def format_run_summary(row: dict[str, Any], run_dir: Path, *, wall_s: Optional[f
     if row.get("clip_fraction") is not None:
         trust.append(f"clip fraction {_num(row['clip_fraction'])}")
     wall = f"{wall_s:.0f}s" if wall_s is not None else "-"
+    generated = _num(row.get("final_reward_generated"))
+    if row.get("final_reward_generated") is None and row.get("final_reward_consumed") is not None:
+        # Asynchronous runs whose rollout workers finished the data early generate nothing in the last steps.
+        generated = "- (no rollout finished in those steps)"
     lines = [
         f"== run finished: {run_dir}",
         f"   steps {_num(row.get('steps'))} | wall time {wall} | final reward generated "
-        f"{_num(row.get('final_reward_generated'))}, consumed {_num(row.get('final_reward_consumed'))} "
+        f"{generated}, consumed {_num(row.get('final_reward_consumed'))} "
         f"(means of the last 10% of steps) | eval accuracy {eval_s}",
         f"   staleness avg {_num(row.get('staleness_avg'))}, max {_num(row.get('staleness_max'))}"
         + (" | " + ", ".join(trust) if trust else ""),

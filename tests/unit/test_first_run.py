@@ -193,6 +193,12 @@ def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
     assert "masked fraction 0.012" in text and "clip fraction" not in text
     for part in ("metrics.jsonl", "tensorboard --logdir", "final_model", "stalerl-plot"):
         assert part in text
+    # An async run whose rollout workers were done before the last 10% of steps: says why there is no number.
+    for r in records[-30:]:
+        del r["reward/generated"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = format_run_summary(summary_row(tmp_path), tmp_path)
+    assert "final reward generated - (no rollout finished in those steps), consumed 0.2" in text
 
 
 def test_multi_problem_config_errors_print_on_one_line():
