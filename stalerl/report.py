@@ -293,6 +293,17 @@ def figure_paths(cells: Sequence[Cell], out_dir: Path, *, study: str,
             if any(_curve(r, m) for c in cells for r in c.finished)}
 
 
+#: One colour per built-in loss, so a loss looks the same in every study's figures.
+LOSS_COLORS = {"m2po": "C0", "vanilla": "C1", "no_trust_region": "C2", "fipo": "C3"}
+
+
+def method_colors(methods: Sequence[str]) -> dict[str, str]:
+    """Matplotlib colours: the fixed loss colour when every method is a built-in loss, else by position."""
+    if all(m in LOSS_COLORS for m in methods):
+        return {m: LOSS_COLORS[m] for m in methods}
+    return {m: f"C{j}" for j, m in enumerate(methods)}
+
+
 def write_figures(cells: Sequence[Cell], out_dir: Path, *, study: str,
                   metrics: Sequence[str] = FIGURE_METRICS) -> list[Path]:
     """One PNG per metric: a subplot per setting, per method the mean curve over seeds with its 95% band."""
@@ -304,6 +315,7 @@ def write_figures(cells: Sequence[Cell], out_dir: Path, *, study: str,
                           "(or pass --no-figures)") from exc
     settings = list(dict.fromkeys(c.setting for c in cells))
     methods = list(dict.fromkeys(c.method for c in cells))
+    colors = method_colors(methods)
     out = []
     for metric, path in figure_paths(cells, out_dir, study=study, metrics=metrics).items():
         ncol = min(len(settings), 4)
@@ -312,14 +324,14 @@ def write_figures(cells: Sequence[Cell], out_dir: Path, *, study: str,
         FigureCanvasAgg(fig)
         for i, setting in enumerate(settings):
             ax = fig.add_subplot(nrow, ncol, i + 1)
-            for j, method in enumerate(methods):
+            for method in methods:
                 cell = next((c for c in cells if c.setting == setting and c.method == method), None)
                 if cell is None:
                     continue
                 xs, est = mean_band([_curve(r, metric) for r in cell.finished])
                 if not xs:
                     continue
-                color = f"C{j}"
+                color = colors[method]
                 ax.plot(xs, [e.mean for e in est], color=color, label=f"{method} (n={len(cell.finished)})")
                 if all(e.half_width is not None for e in est):
                     ax.fill_between(xs, [e.low for e in est], [e.high for e in est], color=color, alpha=0.2,

@@ -441,3 +441,14 @@ def test_readme_quotes_the_committed_default_study():
     seeds = f"{singles[0][0]:.2f}-{singles[0][-1]:.2f} → {singles[1][0]:.2f}-{singles[1][-1]:.2f}"
     assert f"i.e. {bounds}; single seeds ranged {seeds}" in readme
     assert f"over {len(cell.finished)} seeds" in readme
+
+
+def test_a_loss_has_one_colour_in_every_figure():
+    from stalerl.report import method_colors
+
+    async_colors = method_colors(["vanilla", "m2po", "fipo"])
+    staleness_colors = method_colors(["m2po", "vanilla", "no_trust_region", "fipo"])
+    assert all(async_colors[m] == staleness_colors[m] for m in async_colors)
+    assert len(set(staleness_colors.values())) == 4
+    labels = ["loss=m2po, behavior_logp=rollout", "loss=vanilla, behavior_logp=rollout"]
+    assert method_colors(labels) == {labels[0]: "C0", labels[1]: "C1"}
