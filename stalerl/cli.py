@@ -143,8 +143,10 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
     for i, (trial, ovr) in enumerate(runs, 1):
         start = time.perf_counter()
         print(f"[{i}/{len(runs)}] {trial}", flush=True)
+        # Each point's start-up overhead counts from its own launch, not from the sweep's (the env is inherited).
+        env = {**os.environ, LAUNCH_TIME_ENV: repr(time.time())}
         res = subprocess.run([sys.executable, "-m", "stalerl.cli", *_config_args(config_path), *ovr,
-                              *([DEBUG_FLAG] if debug else [])])
+                              *([DEBUG_FLAG] if debug else [])], env=env)
         status = "ok" if res.returncode == 0 else f"failed ({res.returncode})"
         print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
         statuses.append(status)
