@@ -33,10 +33,15 @@ def compare(diff: Estimate) -> str:
     return "~"
 
 
+def _seed_pairs(a, b, field: str, field_b: Optional[str] = None) -> list[tuple[float, float]]:
+    """(a_seed, b_seed) for the seeds both cells finished with the field (a, b: report Cells), in seed order."""
+    av, bv = a.per_seed(field), b.per_seed(field_b or field)
+    return [(av[s], bv[s]) for s in sorted(set(av) & set(bv))]
+
+
 def paired_difference(a, b, field: str, field_b: Optional[str] = None) -> Estimate:
     """Mean and 95% interval of a_seed - b_seed over the seeds both cells finished (a, b: report Cells)."""
-    av, bv = a.per_seed(field), b.per_seed(field_b or field)
-    return mean_interval([av[s] - bv[s] for s in sorted(set(av) & set(bv))])
+    return mean_interval([x - y for x, y in _seed_pairs(a, b, field, field_b)])
 
 
 def _word(result: str, want: str, consistent: bool = False) -> str:
@@ -75,13 +80,13 @@ def _paired_claim(pairs, names: tuple[str, str], field: str, field_b: Optional[s
     names: how the evidence calls a and b."""
     labels, res, parts = [], [], []
     for label, a, b in pairs:
-        d = paired_difference(a, b, field, field_b)
-        if d.n == 0:
+        seeds = _seed_pairs(a, b, field, field_b)
+        if not seeds:
             continue
+        d = mean_interval([x - y for x, y in seeds])
         labels.append(label)
         res.append(compare(d))
-        av, bv = a.per_seed(field), b.per_seed(field_b or field)
-        higher = sum(av[s] > bv[s] for s in set(av) & set(bv))
+        higher = sum(x > y for x, y in seeds)
         parts.append(f"{label}: {names[0]} {_fmt(a.estimate(field), digits)} vs {names[1]} "
                      f"{_fmt(b.estimate(field_b or field), digits)}, paired difference {_fmt(d, digits)}, "
                      f"{names[0]} higher in {higher}/{d.n} seeds")
