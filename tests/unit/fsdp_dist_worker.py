@@ -114,6 +114,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
                         "sharded": actor.sharded, "state_keys": sorted(state),
                         "reduced": reduced, "state": saved},
                        os.path.join(out_dir, f"{engine}.pt"))
+        # Tear down together: a rank that destroys its gloo group while rank 0 is still saving can abort
+        # ("terminate called without an active exception", seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

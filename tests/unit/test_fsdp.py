@@ -93,6 +93,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     calls = fsdp.all_reduce_gradients(params, dist.group.WORLD, world, bucket_bytes=16)
     results["buckets"] = (calls, [p.grad.tolist() for p in params])
     torch.save(results, f"{out_dir}/gloo{rank}.pt")
+    dist.barrier()  # tear down together (see fsdp_dist_worker.run_rank)
     dist.destroy_process_group()
 
 
