@@ -1,0 +1,117 @@
+"""Exact losses across a framework's micro-batches: one selection and one token count per optimizer step.
+
+Frameworks (TRL, ms-swift, AReaL, ...) call their loss once per micro-batch and sum the gradients. A loss that
+averages over tokens, or that decides over a whole batch (M2PO's Algorithm 1 selection), is exact at the optimizer
+step only if every micro-batch call sees
+
+- the same **selection**, computed once over all micro-batches of the step (and all data-parallel ranks), and
+- the same **denominator**, the valid-token count of the whole step (all ranks).
+
+:func:`plan_optimizer_batch` computes both from the step's micro-batches (tensors of any, possibly different,
+shapes: padded ``(B_i, T_i)`` rows or packed 1-D tokens) and returns, per micro-batch, the extra keyword tensors
+that the registered loss takes (M2PO: ``keep_mask``) plus a config that carries the global token count
+(``global_batch_info``, verl's convention, read by ``recipe.common.agg_loss``). Summing the micro-batch losses then
+gives exactly the loss of the whole step computed in one call, whatever the split.
+
+Pure torch; ``group`` is an optional ``torch.distributed`` process group (every rank must call with the same number
+of micro-batches' worth of collectives: one selection and one all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from recipe.registry import get_batch_selector
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's tensors, all of one shape: behaviour and current log-probs, advantages, valid mask."""
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shapes = {tuple(t.shape) for t in (self.old_log_prob, self.log_prob, self.advantages, self.response_mask)}
+        if len(shapes) != 1:
+            raise ValueError("MicroBatch: old_log_prob, log_prob, advantages and response_mask must share one shape, "
+                             f"got {sorted(shapes)}; broadcast per-sequence advantages to the token shape first")
+
+
+@dataclass
+class OptimizerBatchPlan:
+    """What each micro-batch's loss call needs so that the step's loss is exact."""
+
+    num_tokens: int  # valid tokens of the whole step, all ranks
+    dp_size: int
+    extras: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per micro-batch: loss keyword tensors
+    selection: Any = None  # the selector's diagnostics object (M2PO: recipe.m2po.M2POSelection), if any
+
+    def config_for(self, config: Any) -> dict[str, Any]:
+        """``config`` (dict, dataclass, DictConfig or None) as a dict with the step's ``global_batch_info``."""
+        return with_global_batch_info(config, num_tokens=self.num_tokens, dp_size=self.dp_size)
+
+
+def with_global_batch_info(config: Any, *, num_tokens: int, dp_size: int = 1) -> dict[str, Any]:
+    """A dict view of ``config`` whose ``global_batch_info`` makes ``token-mean`` divide by ``num_tokens``."""
+    if config is None:
+        out: dict[str, Any] = {}
+    elif isinstance(config, dict):
+        out = dict(config)
+    elif hasattr(config, "items"):  # OmegaConf DictConfig and other mappings
+        out = {k: v for k, v in config.items()}
+    elif hasattr(config, "__dict__"):
+        out = dict(vars(config))
+    else:
+        raise TypeError(f"config must be a mapping, an object with attributes, or None; got {type(config).__name__}")
+    info = dict(out.get("global_batch_info") or {})
+    info.update({"batch_num_tokens": int(num_tokens), "dp_size": int(dp_size)})
+    out["global_batch_info"] = info
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, -1)
+
+
+def plan_optimizer_batch(loss_name: str, micro_batches: Sequence[MicroBatch], config: Any = None, *,
+                         group: Optional[Any] = None) -> OptimizerBatchPlan:
+    """Select once over all ``micro_batches`` of an optimizer step (and all ranks of ``group``); count its tokens.
+
+    The selection sees the tokens in micro-batch order, row-major inside each, which is the order a single call on
+    the concatenated batch would see; ties therefore break the same way whatever the split.
+    """
+    if not micro_batches:
+        raise ValueError("plan_optimizer_batch needs at least one micro-batch")
+    device = micro_batches[0].response_mask.device
+    local_tokens = sum(int(mb.response_mask.bool().sum()) for mb in micro_batches)
+    dp_size = 1
+    if group is not None:
+        dist = torch.distributed
+        dp_size = dist.get_world_size(group)
+        count = torch.tensor([local_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=group)
+        num_tokens = int(count.item())
+    else:
+        num_tokens = local_tokens
+    plan = OptimizerBatchPlan(num_tokens=num_tokens, dp_size=dp_size, extras=[{} for _ in micro_batches])
+
+    selector = get_batch_selector(loss_name)
+    if selector is None:
+        return plan
+    cat = [torch.cat([_flat(getattr(mb, name).detach()) for mb in micro_batches], dim=1)
+           for name in ("old_log_prob", "log_prob", "advantages", "response_mask")]
+    selected = selector(*cat, config=config, group=group)
+    sizes = [mb.response_mask.numel() for mb in micro_batches]
+    for key, value in selected.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(cat[3].shape):
+            for extras, part, mb in zip(plan.extras, value.reshape(-1).split(sizes), micro_batches):
+                extras[key] = part.reshape(mb.response_mask.shape)
+        elif key == "selection":
+            plan.selection = value
+    return plan
