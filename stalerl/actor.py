@@ -10,6 +10,7 @@ micro-batch first, when there is more than one micro-batch or rank) and hands ea
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,6 +19,7 @@ import torch
 
 from recipe.registry import get_policy_loss_spec
 from stalerl import fsdp
+from stalerl.chunked_logprob import head_returns_token_logprobs, reproduces_plain_logprobs
 from stalerl.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
 
@@ -148,6 +150,10 @@ class Actor:
         # on-policy log-ratio of exactly 0 and an update that does not depend on the micro-batch split.
         disable_dropout(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
+        # Log-probs from the last hidden states in chunks (stalerl.chunked_logprob): a micro-batch's (tokens x vocab)
+        # logits never exist. Used when the model's head verifiably gives the plain log-probs (a bias-free linear
+        # head whose logits the model does not post-process, e.g. no soft-capping); else the plain logits path.
+        self.chunked_logprobs = reproduces_plain_logprobs(model)
         # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
         # micro-batch's padded width, which would make the update depend on the split.
         self.loss_scale_factor = loss_scale_factor
@@ -172,13 +178,18 @@ class Actor:
         if self._logits_to_keep:
             # Only the last r+1 positions: the prompt's logits (rows x prompt x vocab) are never computed.
             kwargs["logits_to_keep"] = r + 1
-        with autocast_context(self.device, self.compute_dtype):
+        # position t predicts token t+1: the response tokens are predicted from columns p-1 .. p+r-2 (the first r
+        # of the r+1 kept columns)
+        columns = slice(0, r) if self._logits_to_keep else slice(p - 1, p + r - 1)
+        ids = mb.response_ids.to(self.device)
+        head = (head_returns_token_logprobs(self.model, ids, columns, self.temperature) if self.chunked_logprobs
+                else contextlib.nullcontext())
+        with autocast_context(self.device, self.compute_dtype), head:
             out = self.model(input_ids=input_ids, attention_mask=attn.long(),
                              position_ids=position_ids_from_mask(attn), use_cache=False, **kwargs)
-        # logits at position t predict token t+1: the response tokens are predicted from columns p-1 .. p+r-2
-        # (the first r of the r+1 kept columns).
-        logits = out.logits[:, :r] if self._logits_to_keep else out.logits[:, p - 1:p + r - 1]
-        return token_logprobs(logits, mb.response_ids.to(self.device), self.temperature)
+        if self.chunked_logprobs:
+            return out.logits  # the head returned the (N, r) float32 log-probs
+        return token_logprobs(out.logits[:, columns], ids, self.temperature)
 
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         """Consecutive rows packed while rows x padded width stays within max_tokens_per_mb (at least one row)."""
