@@ -222,7 +222,7 @@ class Actor:
             lp = self._forward_logp(mb).cpu()
             out[rows, :lp.shape[1]] = torch.where(mb.response_mask, lp, torch.zeros_like(lp))
         for _ in range(self._missing_passes(len(micro))):
-            fsdp.dummy_forward(self.model, self.device)
+            fsdp.dummy_forward(self.model, self.device, self.compute_dtype)
         self.model.train(was_training)
         return out
 
@@ -346,7 +346,7 @@ class Actor:
                 n_tokens += float(mb.response_mask.sum())
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
-            fsdp.dummy_forward(self.model, self.device).backward()
+            fsdp.dummy_forward(self.model, self.device, self.compute_dtype).backward()
         if self.dp.size > 1:
             if not self.sharded:  # FSDP2 has already averaged the gradients in its reduce-scatters
                 # Flattened buckets, one all-reduce each; a rank with no rows joins with zero gradients.

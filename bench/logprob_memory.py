@@ -1,0 +1,132 @@
+"""Training log-probs: the plain logits path against the chunked one (stalerl.chunked_logprob), peak memory and
+time of a forward + backward in one process, at Qwen2's vocabulary (151,936).
+
+* plain: ``token_logprobs(F.linear(h, W), ids)``, what the actor computed before: the model's head materialises the
+  micro-batch's (tokens, vocab) logits, autograd keeps them (and the softmax) for backward;
+* chunked: ``chunked_token_logprobs(h, W, ids)``: per-token log-prob and log-sum-exp only, logits recomputed one
+  chunk at a time in backward (a few chunk sizes).
+
+Peak memory is measured per variant: on CUDA ``torch.cuda.max_memory_allocated`` above what was allocated before;
+on CPU the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each variant)
+above the resident set before it. Time is the median of ``--reps`` forward + backward passes after one warm-up.
+Ratios are against plain, in the same process.
+
+    python bench/logprob_memory.py                       # 512 tokens x hidden 64, CPU, fp32
+    python bench/logprob_memory.py --tokens 4096 --dtype bfloat16 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stalerl.actor import token_logprobs
+from stalerl.chunked_logprob import CHUNK_ELEMENTS, chunk_tokens_for, chunked_token_logprobs
+
+VOCAB = 151_936
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class PeakMemory:
+    """Peak bytes allocated inside the block above the level at its start."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS (Linux >= 4.0)
+                f.write("5")
+            self.start = _rss_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = _rss_kib("VmHWM") * 1024 - self.start
+
+
+def step(fn, h0: torch.Tensor, w0: torch.Tensor, autocast: torch.autocast) -> None:
+    h = h0.detach().requires_grad_()
+    w = w0.detach().requires_grad_()
+    with autocast:
+        lp = fn(h, w)
+    lp.sum().backward()
+    del lp, h, w
+
+
+def measure(name, fn, h, w, autocast, device, reps) -> tuple[float, float]:
+    step(fn, h, w, autocast)  # warm-up (allocator, kernels)
+    with PeakMemory(device) as mem:
+        step(fn, h, w, autocast)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(fn, h, w, autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return mem.peak, statistics.median(times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=512, help="response tokens in the micro-batch")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype (bf16: autocast over fp32 parameters, as actor.dtype=bfloat16)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk-elements", type=int, nargs="*", default=[1 << 20, CHUNK_ELEMENTS, 1 << 24])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, args.tokens, args.hidden, generator=gen).to(device)
+    w = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(device)
+    ids = torch.randint(0, args.vocab, (1, args.tokens), generator=gen).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    logits_bytes = args.tokens * args.vocab * 4
+    print(f"torch {torch.__version__}, {device.type}, {args.dtype}, {args.tokens} tokens x hidden {args.hidden} x "
+          f"vocab {args.vocab} (one float32 logits tensor: {logits_bytes / 2**20:.0f} MiB), {args.threads} thread(s)")
+
+    def plain(hh, ww):
+        return token_logprobs(torch.nn.functional.linear(hh, ww), ids)
+
+    base_mem, base_t = measure("plain", plain, h, w, autocast, device, args.reps)
+    print(f"  {'plain (full logits)':34s} peak {base_mem / 2**20:8.0f} MiB  time {base_t * 1e3:8.1f} ms")
+    for elements in args.chunk_elements:
+        chunk = chunk_tokens_for(args.vocab, elements)
+
+        def chunked(hh, ww, chunk=chunk):
+            return chunked_token_logprobs(hh, ww, ids, chunk_tokens=chunk)
+
+        mem, t = measure("chunked", chunked, h, w, autocast, device, args.reps)
+        default = " (default)" if elements == CHUNK_ELEMENTS else ""
+        print(f"  {f'chunked, {chunk} tokens/chunk{default}':34s} peak {mem / 2**20:8.0f} MiB  time {t * 1e3:8.1f} ms"
+              f"   memory {mem / max(1, base_mem):.3f}x  time {t / base_t:.2f}x of plain")
+
+
+if __name__ == "__main__":
+    main()
