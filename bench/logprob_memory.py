@@ -8,7 +8,7 @@ time of a forward + backward in one process, at Qwen2's vocabulary (151,936).
 
 Peak memory is measured per variant: on CUDA ``torch.cuda.max_memory_allocated`` above what was allocated before;
 on CPU the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each variant)
-above the resident set before it. Time is the median of ``--reps`` forward + backward passes after one warm-up.
+above the resident set before it. Time is the median of ``--reps`` forward + backward passes, the variants interleaved.
 Ratios are against plain, in the same process.
 
     python bench/logprob_memory.py                       # 512 tokens x hidden 64, CPU, fp32
@@ -72,20 +72,26 @@ def step(fn, h0: torch.Tensor, w0: torch.Tensor, autocast: torch.autocast) -> No
     del lp, h, w
 
 
-def measure(name, fn, h, w, autocast, device, reps) -> tuple[float, float]:
+def peak_memory(fn, h, w, autocast, device) -> float:
     step(fn, h, w, autocast)  # warm-up (allocator, kernels)
     with PeakMemory(device) as mem:
         step(fn, h, w, autocast)
-    times = []
+    return mem.peak
+
+
+def median_times(variants: dict, h, w, autocast, device, reps) -> dict[str, float]:
+    """Interleaved (plain, chunked, ..., plain, chunked, ...): on a shared machine, load changes hit all alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(fn, h, w, autocast)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return mem.peak, statistics.median(times)
+        for name, fn in variants.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(fn, h, w, autocast)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main(argv=None) -> None:
@@ -114,18 +120,19 @@ def main(argv=None) -> None:
     def plain(hh, ww):
         return token_logprobs(torch.nn.functional.linear(hh, ww), ids)
 
-    base_mem, base_t = measure("plain", plain, h, w, autocast, device, args.reps)
-    print(f"  {'plain (full logits)':34s} peak {base_mem / 2**20:8.0f} MiB  time {base_t * 1e3:8.1f} ms")
+    variants = {"plain (full logits)": plain}
     for elements in args.chunk_elements:
         chunk = chunk_tokens_for(args.vocab, elements)
-
-        def chunked(hh, ww, chunk=chunk):
-            return chunked_token_logprobs(hh, ww, ids, chunk_tokens=chunk)
-
-        mem, t = measure("chunked", chunked, h, w, autocast, device, args.reps)
         default = " (default)" if elements == CHUNK_ELEMENTS else ""
-        print(f"  {f'chunked, {chunk} tokens/chunk{default}':34s} peak {mem / 2**20:8.0f} MiB  time {t * 1e3:8.1f} ms"
-              f"   memory {mem / max(1, base_mem):.3f}x  time {t / base_t:.2f}x of plain")
+        variants[f"chunked, {chunk} tokens/chunk{default}"] = (
+            lambda hh, ww, chunk=chunk: chunked_token_logprobs(hh, ww, ids, chunk_tokens=chunk))
+    peaks = {name: peak_memory(fn, h, w, autocast, device) for name, fn in variants.items()}
+    times = median_times(variants, h, w, autocast, device, args.reps)
+    base = "plain (full logits)"
+    for name in variants:
+        ratio = "" if name == base else (f"   memory {peaks[name] / max(1, peaks[base]):.3f}x  time "
+                                         f"{times[name] / times[base]:.2f}x of plain")
+        print(f"  {name:34s} peak {peaks[name] / 2**20:8.0f} MiB  time {times[name] * 1e3:8.1f} ms{ratio}")
 
 
 if __name__ == "__main__":

@@ -3,19 +3,20 @@ ever holding the (tokens, vocab) logits of a whole micro-batch (torch only).
 
 ``log softmax(h W^T / T)[id]`` for every token: the forward pass keeps, per token, only the log-prob and the
 log-sum-exp; the backward pass recomputes one chunk's logits at a time from the saved hidden states and weight, as
-fused linear-cross-entropy kernels do (Liger, Apple's cut-cross-entropy). Peak memory is tokens x hidden (the saved
-hidden states, which the model's own backward keeps anyway) plus one chunk x vocab, instead of the plain path's
-tokens x vocab logits, their fp32 copy and their gradient. The price is one extra logits matmul per chunk in the
-backward pass.
+fused linear-cross-entropy kernels do (Liger, Apple's cut-cross-entropy). The forward goes over chunks of tokens,
+the backward over blocks of the vocabulary (all tokens x one block: each block's weight gradient is then written
+once). Peak memory is tokens x hidden (the saved hidden states, which the model's own backward keeps anyway) plus
+one chunk's logits (:data:`CHUNK_ELEMENTS`), instead of the plain path's tokens x vocab logits, their fp32 copy and
+their gradient. The price is the logits matmul once more in the backward pass.
 
 Numerics follow the plain computation ``token_logprobs(lm_head(h), ids, T)`` under the ambient autocast, step by
 step: the logits matmul runs in the autocast dtype (bf16 logits are rounded to bf16 as ``F.linear`` rounds them),
 is cast to float32 and divided by the temperature, and the gradient reaching the logits is cast back to the compute
 dtype before the two backward matmuls, as the autocast cast's backward does. In float32 values and gradients equal
 the plain computation to float rounding (tests/unit/test_chunked_logprob.py: within 1e-5); in bf16 the one
-difference is that the weight gradient is accumulated chunk by chunk in float32 from bf16 chunk products (the plain
-path rounds one full-size product to bf16), so it differs by at most about one bf16 rounding (2^-8 relative) of
-each chunk's contribution.
+difference is that the hidden-state gradient is accumulated block by block in float32 from bf16 block products
+(the plain path rounds one full-size product to bf16), so each element differs by at most 2^-8 x the sum of the
+absolute values of its terms (two roundings of partial sums bounded by that sum), tested.
 
 :func:`head_returns_token_logprobs` plugs this into a Hugging Face causal LM without changing its code: for one
 forward, the output-embedding module (``lm_head``) computes the log-probs of given target tokens from the hidden
@@ -69,31 +70,41 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        # Chunked over the vocabulary (all tokens x one block of rows of W at a time): each block's weight gradient
+        # is one matmul over all tokens, written once, and only the small (tokens, hidden) input gradient is
+        # accumulated across blocks. (Chunking over tokens instead would add into the whole (vocab, hidden) weight
+        # gradient once per chunk: at hidden 64 that memory traffic costs more than the matmuls.)
         hidden, weight, ids, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        cd, t, chunk = ctx.compute_dtype, ctx.temperature, ctx.chunk
-        grad_out = grad_out.float()
+        cd, t = ctx.compute_dtype, ctx.temperature
+        m, vocab = hidden.shape[0], weight.shape[0]
+        block = max(1, (ctx.chunk * vocab) // max(1, m))  # the same element budget as the forward's chunks
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        g = grad_out.float()
+        rows = torch.arange(m, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(cd)
-            for s in range(0, hidden.shape[0], chunk):
-                h = hidden[s:s + chunk]
+            h = hidden.to(cd)
+            for j in range(0, vocab, block):
+                w = weight[j:j + block].to(cd)
                 x = _chunk_logits(h, w, cd, t)
-                g = grad_out[s:s + chunk].unsqueeze(-1)
                 # d logp / d x = onehot(id) - softmax(x); then through x = logits / t.
-                grad_x = torch.exp(x - lse[s:s + chunk].unsqueeze(-1)).mul_(-g)
-                grad_x.scatter_add_(-1, ids[s:s + chunk].unsqueeze(-1), g)
+                grad_x = torch.exp(x - lse.unsqueeze(-1)).mul_(-g.unsqueeze(-1))
+                hit = (ids >= j) & (ids < j + block)
+                grad_x.index_put_((rows[hit], ids[hit] - j), g[hit], accumulate=True)
                 if t != 1.0:
                     grad_x.div_(t)
                 # The plain path's gradient reaches the compute-dtype logits through their float32 cast: cast back.
                 grad_logits = grad_x.to(cd)
                 del x, grad_x
-                if need_h:
-                    grad_h[s:s + chunk] = (grad_logits @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w.add_(grad_logits.t() @ h.to(cd))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+                    grad_w[j:j + block] = (grad_logits.t() @ h).to(weight.dtype)
+                if need_h:
+                    if cd == torch.float32:
+                        grad_h.addmm_(grad_logits, w)
+                    else:
+                        grad_h.add_(grad_logits @ w)
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, compute_dtype: torch.dtype, temperature: float) -> torch.Tensor:

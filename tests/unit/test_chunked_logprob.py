@@ -51,8 +51,10 @@ def test_float32_values_and_gradients_equal_the_plain_computation(chunk, tempera
     fast = _run(lambda a, b: chunked_token_logprobs(a, b, ids, temperature, chunk), h, w, ids, go, "fp32")
     slow = _run(lambda a, b: plain_logprobs(a, b, ids, temperature), h, w, ids, go, "fp32")
     assert fast[0].dtype == torch.float32 and fast[0].shape == ids.shape
+    # 1e-5, plus float32 rounding relative to the value for the largest gradients here (|grad| up to ~7; the plain
+    # float32 computation itself is ~2e-6 away from a float64 one)
     for name, a, b in zip(("log-probs", "grad hidden", "grad weight"), fast, slow):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-5, msg=name)
     assert float(slow[2].abs().max()) > 0.1  # real gradients
 
 
