@@ -114,7 +114,7 @@ def test_gloo_has_the_collectives_fsdp2_needs_and_buckets_average(tmp_path):
 def _spawn_bf16(engine: str, out_dir, rows: int) -> dict:
     mp.spawn(fsdp_dist_worker.run_rank_bf16, args=(2, _port(), str(out_dir), engine), nprocs=2, join=True)
     parts = [torch.load(out_dir / f"bf16-{engine}-{r}.pt", weights_only=False) for r in (0, 1)]
-    logp = torch.zeros_like(parts[0]["logp"].new_zeros((rows, parts[0]["logp"].shape[1])))
+    logp = torch.zeros((rows, max(p["logp"].shape[1] for p in parts)), dtype=torch.float32)
     for p in parts:  # each rank's on-policy log-probs of its own rows
         logp[p["rows"], :p["logp"].shape[1]] = p["logp"]
     return {**parts[0], "logp": logp}
