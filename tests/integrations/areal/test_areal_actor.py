@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "unit"))  # the literal references
+sys.path.insert(0, str(HERE))  # the CPU varlen attention
 
 if importlib.util.find_spec("areal") is None:
     if os.environ.get("STALERL_REQUIRE_AREAL") == "1":
@@ -34,6 +34,7 @@ if importlib.util.find_spec("areal") is None:
 
 from m2po_reference import reference_m2po  # noqa: E402
 
+from _varlen_attention import varlen_sdpa_installed  # noqa: E402
 from recipe.areal.packed import KEEP_MASK_KEY  # noqa: E402
 from recipe.registry import get_policy_loss_fn  # noqa: E402
 
@@ -43,27 +44,10 @@ TAU = 0.04
 N_SEQ = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen2 and the char tokenizer saved as an HF directory, and the single-rank gloo environment."""
-    from stalerl.model import build_char_tokenizer, build_tiny_model
-
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port()), "AREAL_SPMD_MODE": "1"}.items():
-        os.environ.setdefault(key, value)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model("qwen2", tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, seed=3)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+@pytest.fixture(autouse=True)
+def _varlen_attention():
+    with varlen_sdpa_installed():
+        yield
 
 
 def _actor_config(model_dir: Path, loss: str, n_mbs: int, ppo_n_minibatches: int = 1, **extra: Any):
@@ -72,14 +56,15 @@ def _actor_config(model_dir: Path, loss: str, n_mbs: int, ppo_n_minibatches: int
     from recipe.areal.config import ExactLossPPOActorConfig
 
     # SGD with lr 1 and no clipping: the parameter change of one step is minus the gradient, which is compared
-    return ExactLossPPOActorConfig(
+    settings = dict(
         experiment_name="stalerl-areal-test", trial_name="t", path=str(model_dir), backend="fsdp:d1p1t1",
         dtype="float32", attn_impl="sdpa", disable_dropout=True, gradient_checkpointing=False,
         mb_spec=MicroBatchSpec(n_mbs=n_mbs),
         optimizer=OptimizerConfig(type="sgd", lr=1.0, weight_decay=0.0, gradient_clipping=1e9,
                                   lr_scheduler_type="constant", warmup_steps_proportion=0.0),
         ppo_n_minibatches=ppo_n_minibatches, kl_ctl=0.0, temperature=1.0, use_decoupled_loss=True,
-        recompute_logprob=True, loss=loss, **extra)
+        recompute_logprob=True, loss=loss)
+    return ExactLossPPOActorConfig(**{**settings, **extra})
 
 
 def _engine(config):
@@ -168,7 +153,7 @@ def _update(model_dir: Path, loss: str, n_mbs: int, batch: dict, **config_extra:
     engine = _engine(_actor_config(model_dir, loss, n_mbs, **config_extra))
     before = _full_params(engine)
     recorder = _Recorder(engine)
-    engine.ppo_update({k: v.clone() for k, v in batch.items()})
+    engine.ppo_update([{k: v.clone() for k, v in batch.items()}])  # one trajectory group
     after = _full_params(engine)
     engine.destroy()
     return recorder, before, after
@@ -265,7 +250,7 @@ def test_later_mini_batches_select_with_the_updated_weights(model_dir: Path) -> 
         return out
 
     engine.actor.current_logprobs = record_current
-    engine.ppo_update({k: v.clone() for k, v in batch.items()})
+    engine.ppo_update([{k: v.clone() for k, v in batch.items()}])  # one trajectory group
     engine.destroy()
     assert [first for first, _, _ in seen] == [True, False] and len(recorder.mini_batches) == 2
     _, second, params = seen[1]
@@ -287,20 +272,10 @@ def test_later_mini_batches_select_with_the_updated_weights(model_dir: Path) -> 
     assert torch.equal(mini_batch[KEEP_MASK_KEY][mask], literal[mask])
 
 
-def test_config_loads_through_arealss_structured_config_and_refuses_what_it_would_ignore(model_dir: Path) -> None:
-    from omegaconf import OmegaConf
-
-    from areal.api.cli_args import to_structured_cfg
-
-    from recipe.areal.config import ExactLossPPOActorConfig, GRPOConfig
-
-    cfg = to_structured_cfg(OmegaConf.create({"actor": {"loss": "fipo", "fipo_decay_rate": 16.0}}), GRPOConfig)
-    cfg = OmegaConf.to_object(cfg)
-    assert isinstance(cfg.actor, ExactLossPPOActorConfig) and cfg.actor.loss == "fipo"
-    assert cfg.actor.fipo_decay_rate == 16.0 and cfg.ref is None
-    with pytest.raises(Exception, match="fipo_decay_rat"):  # AReaL's loader refuses unknown keys, as usual
-        to_structured_cfg(OmegaConf.create({"actor": {"fipo_decay_rat": 1.0}}), GRPOConfig)
+def test_actor_config_refuses_what_the_exact_loss_would_ignore(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"actor\.rejection_sampling=null"):
         _actor_config(model_dir, "m2po", 1, rejection_sampling={"upper": 5.0})
     with pytest.raises(ValueError, match=r"actor\.use_decoupled_loss=true"):
         _actor_config(model_dir, "m2po", 1, use_decoupled_loss=False)
+    with pytest.raises(ValueError, match=r"actor\.loss must be one of"):
+        _actor_config(model_dir, "m3po", 1)

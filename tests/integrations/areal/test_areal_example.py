@@ -57,3 +57,5 @@ def test_example_switches_to_fipo_or_back_to_areal_with_overrides(tmp_path: Path
     assert areal_own.actor.loss is None and areal_own.actor.m2_threshold == 0.04  # AReaL's own M2PO variant
     with pytest.raises(ValueError, match=r"actor\.m2_threshold=null"):
         script.load_config(_argv(tmp_path, "actor.loss=fipo"))
+    with pytest.raises(Exception, match="fipo_decay_rat"):  # a misspelt key is refused by AReaL's loader, as usual
+        script.load_config(_argv(tmp_path, "+actor.fipo_decay_rat=16"))

@@ -81,7 +81,8 @@ def worker_app():
     engine_blueprint.cleanup_engine_thread()
 
 
-def test_single_controller_builds_the_exact_loss_engine_in_the_worker_from_its_import_path(worker_app, monkeypatch):
+def test_single_controller_builds_the_exact_loss_engine_in_the_worker_from_its_import_path(worker_app, monkeypatch,
+                                                                                           model_dir):
     from areal.api.alloc_mode import ModelAllocation
     from areal.api.io_struct import FinetuneSpec
 
@@ -94,6 +95,7 @@ def test_single_controller_builds_the_exact_loss_engine_in_the_worker_from_its_i
     monkeypatch.delenv("AREAL_SPMD_MODE", raising=False)  # single-controller mode
     scheduler = _InProcessScheduler(client)
     config = ExactLossPPOActorConfig(experiment_name="e", trial_name="t", backend="fsdp:d1p1t1", loss="m2po",
+                                     path=str(model_dir),
                                      m2_threshold=0.02, use_decoupled_loss=True, recompute_logprob=True)
     trainer = _bare_trainer(scheduler)
     controller = PPOTrainer._create_train_engine(trainer, config, ModelAllocation.from_str(config.backend))
@@ -112,7 +114,7 @@ def test_single_controller_builds_the_exact_loss_engine_in_the_worker_from_its_i
     assert engine.actor.loss_name == "m2po" and engine.config.m2_threshold == 0.02
 
 
-def test_spmd_mode_builds_the_exact_loss_engine_here_and_leaves_the_reference_model_to_areal(monkeypatch):
+def test_spmd_mode_builds_the_exact_loss_engine_here_and_leaves_the_reference_model_to_areal(monkeypatch, model_dir):
     from areal.api.alloc_mode import ModelAllocation
     from areal.api.cli_args import PPOActorConfig
     from areal.engine.fsdp_engine import FSDPPPOActor
@@ -127,14 +129,15 @@ def test_spmd_mode_builds_the_exact_loss_engine_here_and_leaves_the_reference_mo
     trainer = _bare_trainer(None)
     alloc = ModelAllocation.from_str("fsdp:d1p1t1")
     actor = PPOTrainer._create_train_engine(trainer, ExactLossPPOActorConfig(experiment_name="e", trial_name="t",
-                                                                             loss="fipo"), alloc)
-    ref = PPOTrainer._create_train_engine(trainer, PPOActorConfig(experiment_name="e", trial_name="t"), alloc)
+                                                                             path=str(model_dir), loss="fipo"), alloc)
+    ref = PPOTrainer._create_train_engine(trainer, PPOActorConfig(experiment_name="e", trial_name="t",
+                                                                    path=str(model_dir)), alloc)
     assert type(actor) is ExactLossFSDPPPOActor and actor.actor.loss_name == "fipo"
     assert type(ref) is FSDPPPOActor
     assert built == [actor, ref]
 
 
-def test_opt_out_keeps_arealss_own_engine(monkeypatch):
+def test_opt_out_keeps_arealss_own_engine(monkeypatch, model_dir):
     from areal.api.alloc_mode import ModelAllocation
     from areal.engine.fsdp_engine import FSDPPPOActor
 
@@ -143,7 +146,7 @@ def test_opt_out_keeps_arealss_own_engine(monkeypatch):
 
     monkeypatch.setenv("AREAL_SPMD_MODE", "1")
     monkeypatch.setattr(FSDPPPOActor, "create_process_group", lambda self, parallel_strategy=None: None)
-    config = ExactLossPPOActorConfig(experiment_name="e", trial_name="t", m2_threshold=0.04)  # AReaL's own M2PO
+    config = ExactLossPPOActorConfig(experiment_name="e", trial_name="t", path=str(model_dir), m2_threshold=0.04)  # AReaL's own M2PO
     engine = PPOTrainer._create_train_engine(_bare_trainer(None), config,
                                         ModelAllocation.from_str("fsdp:d1p1t1"))
     assert type(engine) is FSDPPPOActor
