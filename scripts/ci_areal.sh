@@ -22,12 +22,21 @@ pin="$VENV/torch-constraint.txt"
 echo "torch==${TORCH_VERSION}" > "$pin"
 "$PY" -m pip install -q "torch==${TORCH_VERSION}"
 "$PY" -m pip install -q --no-deps "areal==${AREAL_VERSION}"
-# What `import areal`, areal.trainer.ppo.actor, areal.engine.fsdp_engine and the RPC engine endpoint import (areal's
-# own pins where it has them: transformers<=5.3.0, hydra-core/omegaconf pre-releases), plus pytest.
-"$PY" -m pip install -q -c "$pin" \
-  aiohttp httpx colorlog tenacity flask torchdata numpy lark uvloop pyyaml "hydra-core==1.4.0.dev1" \
-  "omegaconf==2.4.0.dev2" "transformers==5.3.0" ray numba pillow orjson einops aiofiles openai datasets swanlab \
-  trackio wandb tensorboardX tabulate pybase64 pytest
+# AReaL's own version pins (its Requires-Dist without extras and without torch*), as constraints for what follows.
+"$PY" - > "$VENV/areal-pins.txt" <<'PY'
+import importlib.metadata as md
+import re
+for req in md.requires("areal"):
+    name = re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0].lower()
+    if "extra ==" in req or name in ("torch", "torchaudio", "torchvision"):
+        continue
+    print(re.sub(r"\[[^\]]*\]", "", req))  # constraints take no extras
+PY
+# What `import areal`, areal.trainer.ppo.actor, areal.engine.fsdp_engine and the RPC engine endpoint import, at
+# AReaL's pins (transformers<=5.3.0, peft<=0.18.1, the hydra-core/omegaconf pre-releases, ...), plus pytest.
+"$PY" -m pip install -q -c "$pin" -c "$VENV/areal-pins.txt" \
+  aiohttp httpx colorlog tenacity flask torchdata numpy lark uvloop pyyaml hydra-core omegaconf transformers peft \
+  ray numba pillow orjson einops aiofiles openai datasets swanlab trackio wandb tensorboardX tabulate pybase64 pytest
 "$PY" -m pip freeze --exclude-editable | sort > "$VENV/freeze-before.txt"
 
 # This project beside AReaL, with its core dependencies: every one must already be satisfied by AReaL's environment.
