@@ -3,6 +3,7 @@ and the single-rank gloo environment AReaL's FSDP engine reads."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -31,3 +32,18 @@ def model_dir(tmp_path_factory) -> Path:
     tokenizer.save_pretrained(path)
     return path
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """areal-marked tests need AReaL (its own virtual environment): skipped with the reason where it is missing (a
+    marker, not a module-level skip, so runs that deselect them report nothing), an error with
+    STALERL_REQUIRE_AREAL=1."""
+    if importlib.util.find_spec("areal") is not None:
+        return
+    areal_items = [item for item in items if "areal" in item.keywords]
+    reason = ("areal is not importable here; the AReaL tests run in their own virtual environment "
+              "(bash scripts/ci_areal.sh)")
+    if areal_items and os.environ.get("STALERL_REQUIRE_AREAL") == "1":
+        raise pytest.UsageError("STALERL_REQUIRE_AREAL=1 but " + reason)
+    for item in areal_items:
+        item.add_marker(pytest.mark.skip(reason=reason))

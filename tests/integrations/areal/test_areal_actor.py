@@ -12,8 +12,6 @@ Runs in AReaL's own virtual environment (``bash scripts/ci_areal.sh``); elsewher
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,13 +22,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "unit"))  # the literal references
 sys.path.insert(0, str(HERE))  # the CPU varlen attention
-
-if importlib.util.find_spec("areal") is None:
-    if os.environ.get("STALERL_REQUIRE_AREAL") == "1":
-        raise ImportError("STALERL_REQUIRE_AREAL=1 but areal is not importable; build its environment with "
-                          "bash scripts/ci_areal.sh")
-    pytest.skip("areal is not importable here; the AReaL tests run in their own venv (bash scripts/ci_areal.sh)",
-                allow_module_level=True)
 
 from m2po_reference import reference_m2po  # noqa: E402
 

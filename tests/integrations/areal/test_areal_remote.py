@@ -9,18 +9,10 @@ builds. Only the scheduler is a stand-in: it forwards to the endpoint in-process
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import pytest
 
-if importlib.util.find_spec("areal") is None:
-    if os.environ.get("STALERL_REQUIRE_AREAL") == "1":
-        raise ImportError("STALERL_REQUIRE_AREAL=1 but areal is not importable; build its environment with "
-                          "bash scripts/ci_areal.sh")
-    pytest.skip("areal is not importable here; the AReaL tests run in their own venv (bash scripts/ci_areal.sh)",
-                allow_module_level=True)
 
 pytestmark = pytest.mark.areal
 
