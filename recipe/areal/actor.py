@@ -113,7 +113,8 @@ class ExactLossPPOActor(PPOActor):
         if has_selector:
             current = self.current_logprobs(engine, mini_batch, first=first)
             group = engine.data_parallel_group if engine.data_parallel_world_size > 1 else None
-            plan = select_mini_batch(self.loss_name, mini_batch, current, self.config, group=group)
+            plan = select_mini_batch(self.loss_name, mini_batch, current, self.config, group=group,
+                                     device=getattr(engine, "device", None))
             if plan.selection is not None:
                 stats_tracker.scalar(**plan.selection.metrics())
         loss_fn = functools.partial(exact_loss_fn, loss_name=self.loss_name, config=self.config,

@@ -74,23 +74,27 @@ def packed_policy_loss(loss_name: str, logprobs: torch.Tensor, input_data: dict[
 
 
 def select_mini_batch(loss_name: str, mini_batch: dict[str, Any], current_logprobs: torch.Tensor, config: Any, *,
-                      group: Optional[Any] = None) -> OptimizerBatchPlan:
+                      group: Optional[Any] = None, device: Optional[torch.device] = None) -> OptimizerBatchPlan:
     """One selection over a whole padded AReaL mini-batch (and all ranks of ``group``), before its micro-batches.
 
     ``mini_batch`` is what AReaL's ``PPOActor`` passes to ``engine.train_batch``: per-token ``(B, T)`` tensors
     ``logprobs`` (behaviour), ``advantages``, ``loss_mask``; ``current_logprobs`` the current policy's log-probs of
     the same tokens, same shape. For a loss with a batch selector (M2PO) the selection is stored in ``mini_batch``
     under :data:`KEEP_MASK_KEY`; AReaL's micro-batching then slices and packs it with the other tensors.
+    ``device``: where the selection runs (the engine's device: NCCL groups take only accelerator tensors); default
+    the mini-batch's.
     """
-    mask = mini_batch["loss_mask"].bool()
+    home = mini_batch["loss_mask"].device
+    device = device if device is not None else home
+    mask = mini_batch["loss_mask"].to(device).bool()
     if current_logprobs.shape != mask.shape:
         raise ValueError(f"current log-probs have shape {tuple(current_logprobs.shape)}, expected the mini-batch's "
                          f"{tuple(mask.shape)}")
-    step = MicroBatch(old_log_prob=mini_batch["logprobs"].detach().float(),
-                      log_prob=current_logprobs.detach().float().to(mask.device),
-                      advantages=mini_batch["advantages"].detach().float(), response_mask=mask)
+    step = MicroBatch(old_log_prob=mini_batch["logprobs"].detach().to(device).float(),
+                      log_prob=current_logprobs.detach().to(device).float(),
+                      advantages=mini_batch["advantages"].detach().to(device).float(), response_mask=mask)
     plan = plan_optimizer_batch(loss_name, [step], config, group=group)
     keep = plan.extras[0].get("keep_mask")
     if keep is not None:
-        mini_batch[KEEP_MASK_KEY] = keep.bool()
+        mini_batch[KEEP_MASK_KEY] = keep.bool().to(home)
     return plan
