@@ -117,7 +117,7 @@ class RolloutConfig(_Section):
             return [("backend", f"got {self.backend!r}; stalerl's runtime has no SGLang engine. Use SGLang through "
                                 "verl: verl's SGLang rollout (actor_rollout_ref.rollout.name=sglang) with the stalerl "
                                 "verl plugin, e.g. ROLLOUT_ENGINE=sglang bash examples/verl/run_m2po_async.sh "
-                                "(recipe/m2po/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
+                                "(recipe/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
         if b.engine == "vllm":
             tp = self.vllm.tensor_parallel_size
             if tp is not None and tp != b.tp:

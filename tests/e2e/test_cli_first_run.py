@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, small_overrides
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
 

@@ -125,7 +125,7 @@ def test_module_level_import_graph_has_no_cycle():
     modules = project_modules()
     graph = import_edges(modules, include_lazy=False)
     # the graph is really built: known edges of the layout are present
-    assert "stalerl.launcher" in graph["stalerl.cli"]
+    assert "stalerl.launch.launcher" in graph["stalerl.launch.cli"]
     assert "stalerl.config.slurm" in graph["stalerl.schedulers.slurm.render"]
     assert "stalerl.config.rules" in graph["stalerl.config.schema"]
     cycle = find_cycle(graph)
@@ -135,8 +135,8 @@ def test_module_level_import_graph_has_no_cycle():
 def test_removed_circles_stay_removed_also_for_lazy_imports():
     modules = project_modules()
     graph = import_edges(modules, include_lazy=True)
-    assert "stalerl.schedulers.slurm" in graph["stalerl.cli"]  # lazy edges are seen
-    assert "stalerl.cli" not in graph["stalerl.launcher"], "stalerl.launcher imports stalerl.cli (cli -> launcher only)"
+    assert "stalerl.schedulers.slurm" in graph["stalerl.launch.cli"]  # lazy edges are seen
+    assert "stalerl.launch.cli" not in graph["stalerl.launch.launcher"], "stalerl.launch.launcher imports stalerl.launch.cli (cli -> launcher only)"
     for mod, deps in graph.items():
         if mod == "stalerl.config" or mod.startswith("stalerl.config."):
             bad = sorted(d for d in deps if d.startswith("stalerl.schedulers"))

@@ -1,4 +1,4 @@
-"""stalerl.metrics_log: JSONL metrics, resume truncation, TensorBoard mirror, progress/summary helpers."""
+"""stalerl.results.metrics_log: JSONL metrics, resume truncation, TensorBoard mirror, progress/summary helpers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from stalerl.metrics_log import MetricsLogger, Progress, format_summary, lookup_metric, read_metrics
+from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary, lookup_metric, read_metrics
 
 
 def _metrics(step: int) -> dict:
@@ -84,7 +84,7 @@ def test_resume_without_existing_file_and_fresh_start_appends(tmp_path):
 
 def test_read_metrics_skips_malformed_lines_and_reports_missing_file(tmp_path, caplog):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1}\n\nnot json\n{"no_step": 1}\n{"step": 2, "a": 3}\n')
-    with caplog.at_level(logging.WARNING, logger="stalerl.metrics_log"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.results.metrics_log"):
         recs = read_metrics(tmp_path)
     assert [r["step"] for r in recs] == [0, 2]
     assert len(caplog.records) == 2
