@@ -383,7 +383,8 @@ class StatsLoggerConfig(_Section):
 
     tensorboard: bool = _f(True, help="Write TensorBoard event files under the run directory (when tensorboard is "
                                       "installed).")
-    progress_bar: bool = _f(True, help="Show a progress bar.")
+    progress_bar: bool = _f(True, help="Show progress: a live bar on an interactive terminal; in a file, a pipe or CI "
+                                       "a plain line every ~10% of the steps (no carriage-return frames).")
     log_every: int = _f(10, ge=1, help="Print a summary line every N steps.")
 
 

@@ -1,4 +1,4 @@
-"""The command line of the main job (``examples/math/gsm8k_rl.py`` and ``python -m stalerl.launch.cli``).
+"""The command line of the main job (``examples/math/gsm8k_rl.py`` and ``python -m stalerl.cli``, which forwards here).
 
     python3 examples/math/gsm8k_rl.py --config FILE.yaml [key=value ...] [key=a,b,c ...] [--dry-run] [--plot] [--debug]
 
@@ -33,6 +33,10 @@ EXTRA_HELP = ("  --debug              show the traceback of a user error (config
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Python block-buffers stdout that is not a terminal: a log file or pipe would get the step lines in bursts and
+    # after the progress lines on stderr. Whole lines as they happen keep such a log readable in order.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:

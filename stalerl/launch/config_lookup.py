@@ -16,7 +16,7 @@ from typing import Optional
 from stalerl.core.errors import UserError
 
 # The source tree's examples/ (present in a clone or an editable install; a wheel ships none).
-EXAMPLES_ROOT = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_ROOT = Path(__file__).resolve().parents[2] / "examples"  # stalerl/launch/config_lookup.py -> the root
 
 
 def example_config_dirs() -> list[Path]:

@@ -1,4 +1,4 @@
-"""Per-step metrics: a durable JSON-lines log (+ optional TensorBoard), a progress bar and one-line summaries.
+"""Per-step metrics: a durable JSON-lines log (+ optional TensorBoard), progress output and one-line summaries.
 
 ``<run_dir>/metrics.jsonl`` holds one ``{"step": N, ...}`` object per :meth:`MetricsLogger.log` call. It is the
 source of truth (``stalerl-plot`` reads it); TensorBoard is a convenience mirror of the scalar values.
@@ -14,7 +14,9 @@ import json
 import logging
 import math
 import numbers
+import os
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
@@ -26,6 +28,7 @@ __all__ = [
     "MetricsLogger",
     "Progress",
     "format_summary",
+    "is_interactive",
     "lookup_metric",
     "read_metrics",
 ]
@@ -244,14 +247,37 @@ def format_summary(step: int, metrics: Mapping[str, Any], keys: Sequence[str], *
     return " | ".join(parts)
 
 
-class Progress:
-    """A step progress bar (tqdm when installed) whose postfix shows the key numbers of the latest step.
+def is_interactive(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal a person watches (live bar), not a file, a pipe or a CI log (plain lines).
 
-    ``update(step, metrics)`` moves the bar to ``step`` (absolute, so resuming mid-run just works) and shows reward,
-    accuracy, loss, grad norm, staleness and masked fraction when present (see :data:`DEFAULT_PROGRESS_KEYS`); each
-    shown value stays until a newer one arrives.
-    Without tqdm, or with ``enabled=False``, it does nothing; use :func:`format_summary` for log lines.
+    A CI job (``CI`` set, as GitHub Actions, GitLab CI and most others do) counts as non-interactive even when it
+    allocates a pseudo-terminal, because its log is read afterwards, line by line; so does ``TERM=dumb``.
     """
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+class Progress:
+    """Step progress whose form suits where it goes; both show the key numbers of the latest step.
+
+    On an interactive terminal (:func:`is_interactive`) it is a live bar (tqdm when installed). Anywhere else -- a
+    file, a pipe, a CI log -- a bar would write hundreds of carriage-return frames that bury the step lines, so it
+    prints a plain line every ~10% of the steps (``PLAIN_LINES`` lines per run) and at the last step, e.g.
+    ``train: 30/300 steps (10%) | 12.3s elapsed, ~1.8m left | reward=0.41 acc=0.5 loss=-0.01``.
+
+    ``update(step, metrics)`` moves to ``step`` (absolute, so resuming mid-run just works) and shows reward,
+    accuracy, loss, grad norm, staleness and masked fraction when present (see :data:`DEFAULT_PROGRESS_KEYS`); each
+    shown value stays until a newer one arrives. ``interactive`` overrides the detection. With ``enabled=False`` it
+    does nothing; use :func:`format_summary` for log lines.
+    """
+
+    PLAIN_LINES = 10
 
     def __init__(
         self,
@@ -262,30 +288,37 @@ class Progress:
         desc: str | None = "train",
         keys: Mapping[str, Sequence[str]] | None = None,
         file: IO[str] | None = None,
+        interactive: bool | None = None,
     ) -> None:
         self.total = int(total)
         self.keys = dict(DEFAULT_PROGRESS_KEYS if keys is None else keys)
         self._bar: Any = None
         self._shown: dict[str, str] = {}
+        self._file = file if file is not None else sys.stderr
+        self._desc = desc or "progress"
+        self._plain = False
+        self.interactive = False
         if not enabled:
             return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            logger.debug("tqdm not installed; no progress bar")
-            return
-        self._bar = tqdm(
-            total=self.total,
-            initial=int(initial),
-            desc=desc,
-            unit="step",
-            dynamic_ncols=True,
-            file=file if file is not None else sys.stderr,
-        )
+        self.interactive = is_interactive(self._file) if interactive is None else bool(interactive)
+        if self.interactive:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                logger.debug("tqdm not installed; plain progress lines instead of a bar")
+            else:
+                self._bar = tqdm(total=self.total, initial=int(initial), desc=desc, unit="step", dynamic_ncols=True,
+                                 file=self._file)
+                return
+        self._plain = True
+        self._start_step = self._step = int(initial)
+        self._start_time = time.monotonic()
+        self._every = max(1, math.ceil(self.total / self.PLAIN_LINES))
+        self._next_line = (self._step // self._every + 1) * self._every  # the next multiple of ~10% after `initial`
 
     @property
     def enabled(self) -> bool:
-        return self._bar is not None
+        return self._bar is not None or self._plain
 
     def postfix(self, metrics: Mapping[str, Any]) -> dict[str, str]:
         """The label -> formatted value pairs shown for ``metrics``."""
@@ -297,11 +330,19 @@ class Progress:
         return out
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
-        if self._bar is None:
+        if self._bar is None and not self._plain:
             return
         if metrics:
             # Sticky: a line holding only eval metrics must not blank out the training numbers shown so far.
             self._shown.update(self.postfix(metrics))
+        if self._plain:
+            self._step = int(step)
+            if self._step >= self._next_line or self._step >= self.total:
+                self._file.write(self.plain_line() + "\n")
+                self._file.flush()
+                self._next_line = (self._step // self._every + 1) * self._every
+            return
+        if metrics:
             self._bar.set_postfix(self._shown, refresh=False)
         delta = int(step) - self._bar.n
         if delta:
@@ -309,13 +350,35 @@ class Progress:
         else:
             self._bar.refresh()
 
+    def plain_line(self) -> str:
+        """The plain progress line for the current step (non-interactive output)."""
+        pct = 100 * self._step / self.total if self.total else 100.0
+        elapsed = time.monotonic() - self._start_time
+        done = self._step - self._start_step
+        timing = f"{_duration(elapsed)} elapsed"
+        if 0 < done and self._step < self.total:
+            timing += f", ~{_duration(elapsed / done * (self.total - self._step))} left"
+        parts = [f"{self._desc}: {self._step}/{self.total} steps ({pct:.0f}%)", timing]
+        if self._shown:
+            parts.append(" ".join(f"{k}={v}" for k, v in self._shown.items()))
+        return " | ".join(parts)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._plain = False
 
     def __enter__(self) -> "Progress":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
