@@ -24,4 +24,4 @@ __version__ = "0.1.0"
 
 from stalerl import _compat
 
-_compat.install()  # old console-script targets (stalerl.report, ...) of environments installed before the move
+_compat.install()  # old console-script targets (`stalerl.report`, ...) of environments installed before the move
