@@ -364,10 +364,10 @@ class Progress:
         return " | ".join(parts)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        self._plain = False
+        """Stop output (idempotent); the bar, if any, is closed."""
+        bar, self._bar, self._plain = self._bar, None, False
+        if bar is not None:
+            bar.close()
 
     def __enter__(self) -> "Progress":
         return self
