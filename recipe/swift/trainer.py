@@ -38,7 +38,8 @@ try:
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer as SwiftGRPOTrainer
     from swift.trainers import disable_gradient_checkpointing
 except ImportError as exc:  # pragma: no cover - exercised only without ms-swift
-    raise ImportError(f"recipe.swift needs ms-swift 4.6 ({exc}). Fix: pip install 'stalerl[swift]' in an environment "
+    raise ImportError(f"recipe.swift could not import ms-swift's GRPO trainer ({exc}). Fix: pip install "
+                      "'stalerl[swift]' (ms-swift 4.6 and msgspec, which its GRPO trainer imports) in an environment "
                       "of its own (ms-swift pins trl<1.0); see docs/integrations/swift.md") from None
 
 
@@ -68,7 +69,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
         if self.dynamic_num_samples:
             raise ValueError(f"--loss_type {name} does not support a variable number of samples per step "
                              "(multi-turn / dynamic rollouts). Fix: use a single-turn GRPO setup")
-        if getattr(self, "_has_teacher", False):
+        if self._has_teacher_explicit():
             raise ValueError(f"--loss_type {name} does not support a teacher (OPD-RL). Fix: drop the teacher flags")
         if self.use_liger_loss:
             raise ValueError(f"--loss_type {name} does not support the Liger loss. Fix: drop --use_liger_kernel")
@@ -165,6 +166,9 @@ class GRPOTrainer(SwiftGRPOTrainer):
             return super()._compute_loss_and_metrics(model, model_inputs, grpo_batch)
         training = self.model.training
         mode = "train" if training else "eval"
+        if grpo_batch.teacher_per_token_logps is not None:  # a dataset `teacher_prompt` column turns on OPD-RL
+            raise ValueError(f"--loss_type {self._recipe_loss_type} does not support teacher distillation (the dataset "
+                             "has a `teacher_prompt` column). Fix: drop that column or use ms-swift's own loss types")
         per_token_logps, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch)
         mask = self._recipe_valid_mask(grpo_batch)
         if training:
