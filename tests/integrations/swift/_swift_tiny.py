@@ -12,7 +12,7 @@ from pathlib import Path
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def build_model_dir(path: Path, *, seed: int = 0) -> Path:
+def build_model_dir(path: Path, *, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
@@ -31,7 +31,8 @@ def build_model_dir(path: Path, *, seed: int = 0) -> Path:
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok.save_pretrained(path)
-    config = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=320, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=None, attention_dropout=0.0)
