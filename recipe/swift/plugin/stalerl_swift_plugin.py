@@ -7,12 +7,15 @@ Imported by path by ms-swift while it parses its arguments. It
    :class:`recipe.swift.trainer.GRPOTrainer`, which adds ``--loss_type m2po`` and ``fipo_ref`` and leaves every
    other loss type to ms-swift;
 3. adds the adapter's argument checks to ``RLHFArguments._check_grpo``, which ms-swift runs after importing the
-   plugins and before it loads the model, so unsupported flag combinations fail before any work.
+   plugins and before it loads the model, so unsupported flag combinations fail before any work;
+4. in a Megatron-SWIFT run, refuses ``m2po`` / ``fipo_ref`` when the trainer is built (not supported there yet).
 
 Importing it again (dataloader workers replay plugins) changes nothing.
 """
 
-from recipe.swift.config import check_environment, check_swift_args
+import sys
+
+from recipe.swift.config import LOSS_TYPES, check_environment, check_swift_args
 
 check_environment()
 
@@ -32,3 +35,20 @@ if not getattr(RLHFArguments._check_grpo, "_stalerl_checks", False):
 
     _check_grpo._stalerl_checks = True
     RLHFArguments._check_grpo = _check_grpo
+
+# Megatron-SWIFT (`megatron rlhf`) imports the plugins too, with its own GRPO trainer: the recipe losses are not
+# implemented there (docs/integrations/swift.md). Refuse them when the trainer is built instead of letting
+# Megatron's loss fail with "Unknown loss type" at the first step.
+_megatron = sys.modules.get("swift.megatron.pipelines.train.rlhf")
+if _megatron is not None and not getattr(_megatron.MegatronRLHF.prepare_trainer, "_stalerl_checks", False):
+    _megatron_prepare_trainer = _megatron.MegatronRLHF.prepare_trainer
+
+    def _prepare_trainer(self):
+        if getattr(self.args, "loss_type", None) in LOSS_TYPES:
+            raise ValueError(f"--loss_type {self.args.loss_type} is not supported by Megatron-SWIFT yet (only by "
+                             "`swift rlhf`, ms-swift's HF trainer; see docs/integrations/swift.md). Fix: use "
+                             "`swift rlhf --rlhf_type grpo`, or one of Megatron's own loss types")
+        return _megatron_prepare_trainer(self)
+
+    _prepare_trainer._stalerl_checks = True
+    _megatron.MegatronRLHF.prepare_trainer = _prepare_trainer

@@ -258,3 +258,37 @@ def test_bad_settings_fail_before_training(workspace):
     assert proc.returncode != 0 and "Did you mean STALERL_M2_THRESHOLD" in proc.stderr
     for name in ("bad_flag", "bad_env"):
         assert not (workspace["root"] / name / "capture.pt").exists()
+
+
+MEGATRON_PROBE = """
+import sys, types
+from types import SimpleNamespace
+
+# megatron-core does not install on CPU: a stand-in for Megatron-SWIFT's pipeline module, as the `megatron rlhf`
+# command has it imported when ms-swift imports the plugins.
+module = types.ModuleType("swift.megatron.pipelines.train.rlhf")
+class MegatronRLHF:
+    def prepare_trainer(self):
+        return "megatron trainer"
+module.MegatronRLHF = MegatronRLHF
+sys.modules[module.__name__] = module
+
+from swift.utils.utils import import_external_file
+import_external_file(sys.argv[1])
+assert MegatronRLHF().prepare_trainer.__func__ is not None
+ok = SimpleNamespace(args=SimpleNamespace(loss_type="grpo"))
+assert MegatronRLHF.prepare_trainer(ok) == "megatron trainer"
+try:
+    MegatronRLHF.prepare_trainer(SimpleNamespace(args=SimpleNamespace(loss_type="m2po")))
+except ValueError as exc:
+    print(exc)
+else:
+    raise SystemExit("m2po was not refused under Megatron-SWIFT")
+"""
+
+
+def test_megatron_swift_refuses_the_recipe_losses_when_building_its_trainer():
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_PROBE, recipe_swift.plugin_path()], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not supported by Megatron-SWIFT" in proc.stdout
