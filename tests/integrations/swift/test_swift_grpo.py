@@ -170,14 +170,14 @@ def m2po_runs(runs) -> dict[int, dict[str, Any]]:
 
 
 def test_m2po_loss_and_mask_are_the_registry_and_the_literal_algorithm_1(m2po_runs):
-    masked_somewhere = False
+    masked_somewhere = partly_masked = False
     for acc, run in m2po_runs.items():
         for step in steps(run["records"]):
             assert len(step) == acc and all(r["accumulation"] == acc for r in step)
             config = step[0]["config"]
             assert config["m2_threshold"] == TAU
             assert config["global_batch_info"]["batch_num_tokens"] == int(flat(step, "response_mask").numel())
-            # the loss ms-swift back-propagates (x accumulation, HF divides) sums to the one-call loss of the step
+            # the micro-batch losses (before the x accumulation that undoes HF's division) sum to the one-call loss
             total = sum(r["loss"] for r in step)
             torch.testing.assert_close(total, one_call("m2po", step, {"m2_threshold": TAU}), rtol=1e-5, atol=1e-7)
             # the keep mask is Algorithm 1 over the whole step, literally
@@ -193,8 +193,12 @@ def test_m2po_loss_and_mask_are_the_registry_and_the_literal_algorithm_1(m2po_ru
                                     dtype=torch.bool)
             got = flat(step, "keep_mask").bool()
             assert torch.equal(got, expected)
+            in_t = torch.tensor([t for row, v in zip(literal["in_t"], valid) for t, ok in zip(row, v) if ok],
+                                dtype=torch.bool)
             masked_somewhere |= bool((~got).any())
+            partly_masked |= bool((~got).any() and (got & in_t).any())
     assert masked_somewhere, "no token was ever masked: the test data does not exercise the selection"
+    assert partly_masked, "every step masked all or none of its trust region: tau does not exercise the selection"
 
 
 def test_m2po_metrics_reach_swift_logs(m2po_runs):
