@@ -1,13 +1,15 @@
 """Step time of ms-swift's GRPO (HF backend, CPU) with ``--loss_type m2po`` / ``fipo_ref`` (recipe.swift) against
 ms-swift's own ``--loss_type grpo`` on the same work, in one process; prints ratios against ``grpo``.
 
-    python bench/swift_overhead.py [--steps 8] [--rounds 2] [--hidden 256] [--layers 4] [--new-tokens 32]
+    python bench/swift_overhead.py [--steps 8] [--rounds 2] [--hidden 256] [--layers 4] [--new-tokens 32] \
+        [--accumulation 2]
 
 Run it in the ms-swift environment (scripts/ci_swift.sh builds one). Every run goes through
 ``swift.pipelines.rlhf_main`` (what ``swift rlhf`` runs) with the same tiny from-scratch Qwen2 (byte tokenizer, built
-locally), prompts, seed, 4 prompts x 4 generations per optimizer step as 2 micro-batches of 8 (gradient accumulation
-2, so M2PO's whole-step selection pays its extra no-grad forward), ``num_iterations 2`` (every generation batch is
-trained twice: the second pass is stale), AdamW, no KL. ``grpo`` runs ms-swift's own trainer class; ``m2po`` and
+locally), prompts, seed, 4 prompts x 4 generations per optimizer step, as ``--accumulation`` micro-batches (default 2:
+M2PO's whole-step selection then pays one extra no-grad forward for the second micro-batch; with 1, ms-swift's GRPO
+default, it pays none), ``num_iterations 2`` (every generation batch is trained twice: the second pass is stale),
+AdamW, no KL. ``grpo`` runs ms-swift's own trainer class; ``m2po`` and
 ``fipo_ref`` run recipe.swift's subclass. Runs alternate between the loss types for ``--rounds`` rounds.
 
 Measured per optimizer step: the wall time of its micro-steps' ``training_step`` (generation every other step,
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accumulation", type=int, default=2, choices=(1, 2, 4),
+                        help="gradient-accumulation steps (16 completions per step, split evenly)")
     opts = parser.parse_args()
     if opts.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are warm-up)")
@@ -84,7 +88,7 @@ def main() -> None:
     SwiftGRPOTrainer.training_step = timed_step
     SwiftGRPOTrainer.compute_loss = timed_loss
 
-    accumulation = 2
+    accumulation = opts.accumulation
     step_times: dict[str, list[float]] = defaultdict(list)
     loss_times: dict[str, list[float]] = defaultdict(list)
     for rnd in range(opts.rounds):
@@ -96,7 +100,7 @@ def main() -> None:
                 "--model", str(model), "--model_type", "qwen2", "--template", "qwen2_5", "--torch_dtype", "float32",
                 "--check_model", "false", "--dataset", str(data), "--split_dataset_ratio", "0",
                 "--dataset_num_proc", "1", "--reward_funcs", "tiny_parity", "--tuner_type", "full",
-                "--num_generations", "4", "--per_device_train_batch_size", "8",
+                "--num_generations", "4", "--per_device_train_batch_size", str(16 // accumulation),
                 "--gradient_accumulation_steps", str(accumulation), "--num_iterations", "2",
                 "--max_steps", str(opts.steps), "--max_completion_length", str(opts.new_tokens),
                 "--temperature", "1.0", "--beta", "0", "--learning_rate", "1e-4", "--lr_scheduler_type", "constant",
@@ -115,7 +119,8 @@ def main() -> None:
     base_loss = statistics.median(loss_times["grpo"])
     result = {"config": vars(opts), "torch_threads": opts.threads}
     print(f"\nms-swift GRPO on CPU: hidden {opts.hidden}, {opts.layers} layers, {opts.new_tokens} new tokens, "
-          f"16 completions/step as 2 x 8, num_iterations 2; medians over {len(step_times['grpo'])} steps per loss")
+          f"16 completions/step as {accumulation} x {16 // accumulation}, num_iterations 2; medians over "
+          f"{len(step_times['grpo'])} steps per loss")
     print(f"{'loss_type':<10} {'step s':>8} {'x grpo':>7} {'compute_loss s':>15} {'x grpo':>7}")
     for loss in LOSSES:
         step = statistics.median(step_times[loss])
