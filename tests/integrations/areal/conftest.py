@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from stalerl.model import build_char_tokenizer, build_tiny_model
+    from stalerl.core.model import build_char_tokenizer, build_tiny_model
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port()), "AREAL_SPMD_MODE": "1"}.items():
