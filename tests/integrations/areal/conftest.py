@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
     STALERL_REQUIRE_AREAL=1."""
     if importlib.util.find_spec("areal") is not None:
         return
-    areal_items = [item for item in items if "areal" in item.keywords]
+    areal_items = [item for item in items if item.get_closest_marker("areal") is not None]
     reason = ("areal is not importable here; the AReaL tests run in their own virtual environment "
               "(bash scripts/ci_areal.sh)")
     if areal_items and os.environ.get("STALERL_REQUIRE_AREAL") == "1":
