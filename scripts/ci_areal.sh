@@ -55,14 +55,7 @@ STALERL_REQUIRE_AREAL=1 "$PY" -m pytest -q -ra -m areal tests/integrations/areal
 rc=$?
 set -e
 if [ "$rc" -eq 0 ]; then
-  "$PY" - "$VENV/areal-tests.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-s = root if root.tag == "testsuite" else root.find("testsuite")
-tests, bad, skipped = int(s.get("tests")), int(s.get("failures")) + int(s.get("errors")), int(s.get("skipped"))
-print(f"AReaL tests: {tests} collected, {bad} failed, {skipped} skipped")
-sys.exit(0 if tests > 0 and bad == 0 and skipped == 0 else 1)
-PY
+  "$PY" scripts/junit_check.py "$VENV/areal-tests.xml" AReaL
   rc=$?
 fi
 echo "AReaL environment: ${setup_s}s; total $(( $(date +%s) - start ))s (exit $rc)"

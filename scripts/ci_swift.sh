@@ -42,14 +42,7 @@ STALERL_REQUIRE_SWIFT=1 OMP_NUM_THREADS=1 "$PY" -m pytest -q -ra --durations=10 
 rc=$?
 set -e
 if [ "$rc" -eq 0 ]; then
-  "$PY" - "$VENV/swift-tests.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-s = root if root.tag == "testsuite" else root.find("testsuite")
-tests, bad, skipped = int(s.get("tests")), int(s.get("failures")) + int(s.get("errors")), int(s.get("skipped"))
-print(f"ms-swift tests: {tests} collected, {bad} failed, {skipped} skipped")
-sys.exit(0 if tests > 0 and bad == 0 and skipped == 0 else 1)
-PY
+  "$PY" scripts/junit_check.py "$VENV/swift-tests.xml" ms-swift
   rc=$?
 fi
 echo "scripts/ci_swift.sh: exit ${rc} after $(( $(date +%s) - start ))s"
