@@ -55,7 +55,8 @@ pytestmark = [
     pytest.mark.trinity,
     pytest.mark.skipif(not TRINITY, reason="trinity-rft is not installed here; run bash scripts/ci_trinity.sh"),
 ]
-needs_engine = pytest.mark.skipif(not ENGINE, reason="verl>=0.8 and tensordict are needed for Trinity's engine path")
+needs_engine = pytest.mark.skipif(not ENGINE, reason="trinity-rft is not installed here; run bash scripts/ci_trinity.sh"
+                                  if not TRINITY else "verl>=0.8 and tensordict are needed for Trinity's engine path")
 
 M2PO_PATH = "recipe.trinity.M2POPolicyLossFn"
 FIPO_PATH = "recipe.trinity.FIPOPolicyLossFn"
