@@ -28,8 +28,10 @@ echo "torch==${TORCH_VERSION}" > "$work/torch-pin.txt"
 "$PY" -m pip install -q "torch==${TORCH_VERSION}"
 "$PY" -m pip install -q --no-deps "trinity-rft==${TRINITY_VERSION}" "verl==${VERL_VERSION}"
 # trinity.utils.log imports ray; trinity.trainer imports pandas; verl's engine imports transformers, peft, datasets,
-# codetiming, tensorboard; verl's torch unpadding uses einops; verl 0.8.0 wants numpy<2 and tensordict<=0.10.
-"$PY" -m pip install -q -c "$work/torch-pin.txt" ray omegaconf "numpy<2" safetensors \
+# codetiming, tensorboard; verl's torch unpadding uses einops; verl 0.8.0 wants tensordict<=0.10. numpy>=2: the
+# pyarrow that datasets pulls (26) fails to import with numpy 1.x without declaring it (verl 0.8.0's metadata says
+# numpy<2, but the code run here works with numpy 2).
+"$PY" -m pip install -q -c "$work/torch-pin.txt" ray omegaconf "numpy>=2" safetensors \
     "tensordict>=0.8,<=0.10.0,!=0.9.0" pandas tensorboard "transformers>=5.12.1" peft datasets codetiming einops \
     pytest
 
@@ -44,7 +46,7 @@ echo "stalerl installed beside trinity-rft ${TRINITY_VERSION} / verl ${VERL_VERS
 echo "environment ready: $(( $(date +%s) - start ))s"
 
 set +e
-STALERL_REQUIRE_TRINITY=1 "$PY" -m pytest -q -ra -p no:cacheprovider -m trinity tests/integrations/trinity \
+STALERL_REQUIRE_TRINITY=1 "$PY" -m pytest -q -ra --durations=10 -p no:cacheprovider -m trinity tests/integrations/trinity \
     --junitxml="$VENV/trinity-tests.xml"
 rc=$?
 set -e
