@@ -12,7 +12,8 @@ What is driven, and what is a stand-in:
   ``batch_num_tokens``/``dp_size`` in the data, splits it into micro-batches (fixed size or dynamic token budget),
   calls Trinity's loss per micro-batch and back-propagates. The one stand-in is the model: ``forward_step`` produces
   the per-token log-probs from a learnable table instead of a transformer forward (which needs a GPU engine), so the
-  gradient on the table is the gradient of the loss with respect to each token's log-prob.
+  gradient on the table is the gradient of the loss with respect to each token's log-prob. Two data-parallel ranks
+  run as spawned gloo processes through the same loop.
 - The expected values come from ``recipe.registry`` called once on the whole mini-batch, and from the literal
   references in tests/unit (``reference_m2po``/``reference_loss``).
 """
@@ -24,7 +25,6 @@ import os
 import pickle
 import sys
 from pathlib import Path
-
 
 import pytest
 import torch
@@ -47,7 +47,14 @@ def _importable(name: str) -> bool:
 
 
 TRINITY = _importable("trinity")
-ENGINE = TRINITY and _importable("verl") and _importable("tensordict")
+def _verl_at_least_0_8() -> bool:
+    from recipe.trinity.losses import ENGINE_PATH_MIN_VERL, _verl_version_tuple
+
+    version = _verl_version_tuple()
+    return version is not None and version >= ENGINE_PATH_MIN_VERL
+
+
+ENGINE = TRINITY and _importable("tensordict") and _verl_at_least_0_8()
 if REQUIRED and not ENGINE:
     raise RuntimeError("STALERL_REQUIRE_TRINITY=1 but trinity-rft, verl or tensordict is not importable here; "
                        "run these tests in the environment scripts/ci_trinity.sh builds")
@@ -58,10 +65,6 @@ pytestmark = [
 ]
 needs_engine = pytest.mark.skipif(not ENGINE, reason="trinity-rft is not installed here; run bash scripts/ci_trinity.sh"
                                   if not TRINITY else "verl>=0.8 and tensordict are needed for Trinity's engine path")
-
-
-
-# ------------------------------------------------------------------------------------------------ data
 
 
 # ------------------------------------------------------------------------------------------------ registry, keys
