@@ -1,4 +1,4 @@
-"""Training log-probs: the plain logits path against the chunked one (stalerl.chunked_logprob), peak memory and
+"""Training log-probs: the plain logits path against the chunked one (stalerl.core.chunked_logprob), peak memory and
 time of a forward + backward in one process, at Qwen2's vocabulary (151,936).
 
 * plain: ``token_logprobs(F.linear(h, W), ids)``, what the actor computed before: the model's head materialises the
@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from stalerl.actor import token_logprobs
-from stalerl.chunked_logprob import CHUNK_ELEMENTS, chunk_tokens_for, chunked_token_logprobs
+from stalerl.training.actor import token_logprobs
+from stalerl.core.chunked_logprob import CHUNK_ELEMENTS, chunk_tokens_for, chunked_token_logprobs
 
 VOCAB = 151_936
 

@@ -1,5 +1,5 @@
 """One training step of the runtime at Qwen2's vocabulary: peak resident memory and train time with the chunked
-training log-probs (stalerl.chunked_logprob, the default) against the plain logits path.
+training log-probs (stalerl.core.chunked_logprob, the default) against the plain logits path.
 
 The issue-18 case: a from-scratch Qwen2 with the 151,936-token vocabulary and hidden size 64 (``scripts/smoke_assets.py
 --size cpu``, built locally, nothing downloaded), 16 prompts x 4 samples = 64 rows x 64 new tokens, the CPU
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs inside the child: optionally force the plain path, run the CLI, report this process's peak RSS.
 CHILD = r"""
 import json, resource, sys
-import stalerl.actor as actor_mod
+import stalerl.training.actor as actor_mod
 if sys.argv[1] == "plain":
     actor_mod.reproduces_plain_logprobs = lambda model: False
 sys.argv = ["gsm8k_rl.py", *sys.argv[2:]]

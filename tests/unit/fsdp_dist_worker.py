@@ -11,11 +11,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from stalerl.actor import Actor, DataParallel
-from stalerl.advantage import grpo_advantages
+from stalerl.training.actor import Actor, DataParallel
+from stalerl.training.advantage import grpo_advantages
 from stalerl.config import NormConfig, load_config
-from stalerl.model import PromptFormatter, load_policy
-from stalerl.reward import gsm8k_reward
+from stalerl.core.model import PromptFormatter, load_policy
+from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.engine import HFRolloutEngine
 
 QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]
@@ -192,7 +192,7 @@ def run_rank_bf16(rank: int, world: int, port: int, out_dir: str, engine: str) -
         if engine == "fsdp-bf16-params":  # the policy fsdp.py used before: every parameter all-gathered in bf16
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            from stalerl import fsdp
+            from stalerl.training import fsdp
             actor.model.to(torch.float32)
             old = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             original = fsdp.shard_model
@@ -221,7 +221,7 @@ def _shard_everything(model, world, policy):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from stalerl import fsdp
+    from stalerl.training import fsdp
     mesh = init_device_mesh("cpu", (world,))
     for layer in fsdp.decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)

@@ -1,4 +1,4 @@
-"""Chunked log-probs from hidden states (stalerl.chunked_logprob) against the literal plain computation: full logits
+"""Chunked log-probs from hidden states (stalerl.core.chunked_logprob) against the literal plain computation: full logits
 ``F.linear(h, W)`` under the same autocast, float32 ``log_softmax`` over the whole vocabulary, gather. Values and
 gradients (hidden states and weight) on random inputs; through the actor on real tiny models; and the memory claim
 (nothing of size tokens x vocab is saved for backward)."""
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from stalerl.chunked_logprob import chunked_token_logprobs, head_returns_token_logprobs, reproduces_plain_logprobs
+from stalerl.core.chunked_logprob import chunked_token_logprobs, head_returns_token_logprobs, reproduces_plain_logprobs
 
 U_BF16 = 2.0 ** -8  # bf16 unit roundoff is 2^-9 (8 significand bits); 2^-8 bounds two roundings
 
@@ -128,10 +128,10 @@ def test_nothing_of_size_tokens_by_vocab_is_saved_for_backward():
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_actor_log_probs_and_gradients_equal_the_plain_logits_path(arch, dtype):
-    from stalerl.actor import Actor
+    from stalerl.training.actor import Actor
     from stalerl.config import load_config
-    from stalerl.model import PromptFormatter, load_policy
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.model import PromptFormatter, load_policy
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     model, tok = load_policy(f"tiny:{arch}", dtype="float32", device="cpu", seed=0)
@@ -156,7 +156,7 @@ def test_actor_log_probs_and_gradients_equal_the_plain_logits_path(arch, dtype):
 
 
 def test_models_that_post_process_logits_keep_the_plain_path():
-    from stalerl.model import load_policy
+    from stalerl.core.model import load_policy
 
     model, _ = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=0)
     assert reproduces_plain_logprobs(model)

@@ -17,7 +17,7 @@ from stalerl.data import (
     write_gsm8k_jsonl,
 )
 from stalerl.data.synthetic import problem_space_size
-from stalerl.reward import gsm8k_reward
+from stalerl.core.reward import gsm8k_reward
 
 GSM8K_ROWS = [
     {

@@ -1,0 +1,31 @@
+"""Trinity-RFT adapter: the stalerl losses as Trinity policy-loss classes.
+
+In a Trinity config::
+
+    algorithm:
+      policy_loss_fn: recipe.trinity.M2POPolicyLossFn     # or recipe.trinity.FIPOPolicyLossFn
+      policy_loss_fn_args: {m2_threshold: 0.04}
+
+Trinity's registry imports this module from the dotted path (no plugin folder needed). Needs Trinity-RFT 0.6
+(``pip install "stalerl[trinity]"``, in Trinity's own environment); see docs/integrations/trinity.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+TRINITY_REQUIREMENT = "trinity-rft>=0.6,<0.7"
+
+if importlib.util.find_spec("trinity") is None:
+    raise ImportError(
+        "recipe.trinity needs Trinity-RFT, which is not installed in this environment; install it with "
+        f'pip install "stalerl[trinity]" (or pip install "{TRINITY_REQUIREMENT}") in the environment that runs '
+        "Trinity's trainer")
+
+from recipe.trinity.losses import (  # noqa: E402 - after the check, so a missing Trinity says what to install
+    FIPOPolicyLossFn,
+    M2POPolicyLossFn,
+    engine_path_passes_global_counts,
+)
+
+__all__ = ["FIPOPolicyLossFn", "M2POPolicyLossFn", "TRINITY_REQUIREMENT", "engine_path_passes_global_counts"]

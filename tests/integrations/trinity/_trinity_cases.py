@@ -1,0 +1,198 @@
+"""Shared pieces of the Trinity-RFT tests (imported by test_trinity_losses.py and by the DP rank processes).
+
+Needs trinity-rft, verl >= 0.8 and tensordict only inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from m2po_reference import reference_loss, reference_m2po  # noqa: E402
+
+M2PO_PATH = "recipe.trinity.M2POPolicyLossFn"
+FIPO_PATH = "recipe.trinity.FIPOPolicyLossFn"
+PATHS = {"m2po": M2PO_PATH, "fipo": FIPO_PATH}
+# Arguments in stalerl's names; chosen so that M2PO masks tokens and FIPO's weights, clip and sequence drop act.
+ARGS = {"m2po": {"m2_threshold": 0.04}, "fipo": {"fipo_decay_rate": 8.0, "fipo_clip_ratio_c": 3.0}}
+RECIPE_CONFIG = {"m2po": {"m2_threshold": 0.04}, "fipo": {"fipo_decay_rate": 8.0, "fipo_clip_ratio_c": 3.0}}
+
+
+def mini_batch(seed: int, n_seq: int = 8, max_prompt: int = 5, max_response: int = 12) -> dict[str, torch.Tensor]:
+    """A GRPO-style mini-batch in verl's left/right padded layout, prompts and responses of uneven lengths.
+
+    ``table`` holds the current policy's response log-probs (what the stand-in model outputs); the log-ratio is
+    large enough that Algorithm 1 masks tokens, and two A < 0 rows carry two tokens with ratio > 3 (FIPO drops them).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(1, max_prompt + 1, (n_seq,), generator=gen)
+    response_lens = torch.randint(1, max_response + 1, (n_seq,), generator=gen)
+    response_lens[0] = max_response  # the padded width is reached
+    prompt_mask = (torch.arange(max_prompt) >= max_prompt - prompt_lens[:, None]).long()  # left padded
+    response_mask = (torch.arange(max_response) < response_lens[:, None]).long()  # right padded
+    prompts = torch.randint(3, 50, (n_seq, max_prompt), generator=gen) * prompt_mask
+    responses = torch.randint(3, 50, (n_seq, max_response), generator=gen) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    old = -torch.rand(n_seq, max_response, generator=gen) * 3
+    table = old + torch.randn(n_seq, max_response, generator=gen) * 0.5
+    adv = torch.randn(n_seq, 1, generator=gen).expand(n_seq, max_response).contiguous()
+    for row in (1, 2):  # FIPO's sequence drop: A < 0 and two tokens with ratio > c = 3
+        adv[row] = -adv[row].abs()
+        length = int(response_lens[row])
+        if length >= 2:
+            table[row, :2] = old[row, :2] + 1.5
+    return {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
+        "old_log_probs": old, "advantages": adv * response_mask, "table": table,
+        "seq_id": torch.arange(n_seq),
+    }
+
+
+def registry_loss(name: str, rows: dict[str, torch.Tensor], log_prob: torch.Tensor, *,
+                   num_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+    from recipe.optimizer_batch import with_global_batch_info
+    from recipe.registry import get_policy_loss_fn
+
+    config = dict(RECIPE_CONFIG[name])
+    if num_tokens is not None:
+        config = with_global_batch_info(config, num_tokens=num_tokens, dp_size=1)
+    return get_policy_loss_fn(name)(old_log_prob=rows["old_log_probs"], log_prob=log_prob,
+                                    advantages=rows["advantages"], response_mask=rows["response_mask"].bool(),
+                                    loss_agg_mode="token-mean", config=config)
+
+
+def literal_m2po_loss(rows: dict[str, torch.Tensor], log_prob: torch.Tensor, num_tokens: int) -> tuple[float, int]:
+    """Algorithm 1 over ``rows`` (literal reference), the unclipped objective summed, divided by ``num_tokens``."""
+    d = (log_prob.detach() - rows["old_log_probs"]).float()
+    mask = rows["response_mask"].bool()
+    literal = reference_m2po(d.tolist(), rows["advantages"].tolist(), mask.tolist(), 0.04)
+    flat = lambda t: [x for row in t for x in row]  # noqa: E731
+    per_row_mean = reference_loss(flat(log_prob.detach().tolist()), flat(rows["old_log_probs"].tolist()),
+                                  flat(rows["advantages"].tolist()), flat(literal["keep"]), flat(mask.tolist()))
+    return per_row_mean * int(mask.sum()) / num_tokens, literal["num_masked"]
+
+
+def validated_algorithm(path: str, args: Optional[dict], **algorithm: Any):
+    """``algorithm:`` as Trinity's config validator leaves it (default args filled, loss_agg_mode synced)."""
+    from trinity.common.config import AlgorithmConfig, Config
+    from trinity.common.config_validator import AlgorithmConfigValidator
+
+    algorithm = {"algorithm_type": "grpo", "kl_loss_fn": "none", "entropy_loss_fn": "none", **algorithm}
+    config = Config(algorithm=AlgorithmConfig(policy_loss_fn=path, policy_loss_fn_args=args, **algorithm))
+    AlgorithmConfigValidator().validate(config)
+    return config.algorithm
+
+
+@contextlib.contextmanager
+def torch_padding_kernels():
+    """verl's left_right_2_no_padding unpads with flash_attn.bert_padding (CUDA wheels only). verl ships the same
+    four functions in pure torch for NPUs (verl.utils.npu_flash_attn_utils); point verl's dispatcher at those."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        yield
+        return
+    from verl.utils import attention_utils
+    from verl.utils import npu_flash_attn_utils as torch_impl
+
+    kernels = (torch_impl.index_first_axis, torch_impl.pad_input, torch_impl.rearrange, torch_impl.unpad_input)
+    original = attention_utils._get_attention_functions
+    attention_utils._get_attention_functions = lambda: kernels
+    try:
+        yield
+    finally:
+        attention_utils._get_attention_functions = original
+
+
+def stand_in_engine(table: torch.Tensor, seen: list):
+    """verl's FSDPEngine with its own forward_backward_batch; only the model forward is replaced (see the module
+    docstring): it writes ``table[seq_id]`` at the response positions of verl's packed layout."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    class TableEngine(FSDPEngine):
+        def __init__(self) -> None:  # FSDPEngine.__init__ builds a model; the attributes its batch loop reads:
+            self.ulysses_sequence_parallel_size = 1
+            self.ulysses_device_mesh = None
+
+        def forward_step(self, micro_batch, loss_function, forward_only):
+            prompt_width = micro_batch["prompts"].shape[1]
+            mask = micro_batch["attention_mask"]
+            prompt_lens = mask[:, :prompt_width].sum(dim=1).tolist()
+            response_lens = mask[:, prompt_width:].sum(dim=1).tolist()
+            pieces = []
+            for sid, p, r in zip(micro_batch["seq_id"].tolist(), prompt_lens, response_lens):
+                before = torch.zeros(p - 1)
+                after = torch.zeros(1)
+                pieces.append(torch.cat([before, table[sid, :r], after]))  # log-prob of token t+1 sits at t
+            lengths = torch.tensor([len(x) for x in pieces])
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            log_probs = torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets=offsets)
+            loss, metrics = loss_function(model_output={"log_probs": log_probs}, data=micro_batch,
+                                          dp_group=self.get_data_parallel_group())
+            seen.append({"seq_id": micro_batch["seq_id"].tolist(), "batch_num_tokens": micro_batch["batch_num_tokens"],
+                         "dp_size": micro_batch["dp_size"], "loss": loss.detach(), "metrics": metrics})
+            return loss, {"model_output": {"log_probs": log_probs.detach()}, "loss": loss.item(), "metrics": metrics}
+
+    return TableEngine()
+
+
+def run_engine(name: str, rows: dict[str, torch.Tensor], micro_batching: dict[str, Any],
+               args: Optional[dict] = None, table: Optional[torch.Tensor] = None):
+    """Trinity's _update_actor layout (DataProto -> TensorDict -> no padding) through verl's forward_backward_batch
+    with Trinity's TrinityPolicyLoss built from an AlgorithmConfig. Returns (table gradient, per-micro-batch log)."""
+    import ray.cloudpickle
+    from trinity.trainer.verl.losses import build_trinity_loss
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    algo = validated_algorithm(PATHS[name], dict(ARGS[name] if args is None else args))
+    loss_fn = build_trinity_loss(algo)
+
+    loss_fn = pickle.loads(ray.cloudpickle.dumps(loss_fn))  # set_loss_fn ships it to the workers through Ray
+    table = (rows["table"] if table is None else table).clone().requires_grad_(True)  # indexed by seq_id
+    batch = DataProto.from_dict(tensors={k: v for k, v in rows.items() if k != "table"},
+                                meta_info={"temperature": 1.0})
+    data = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(data, calculate_entropy=False, global_batch_size=len(rows["seq_id"]), **micro_batching)
+    seen: list = []
+    stand_in_engine(table, seen).forward_backward_batch(data, loss_function=loss_fn)
+    return table.grad, seen
+
+
+# Runs of the two-rank test: (label, loss, policy_loss_fn_args, micro-batching of each rank's half).
+DP_RUNS = (
+    ("m2po_dp_group", "m2po", {"m2_threshold": 0.04, "m2_scope": "dp_group"},
+     {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
+    ("fipo_dynamic", "fipo", ARGS["fipo"], {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24}),
+)
+
+
+def dp_rank(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
+    """One data-parallel rank (torch.multiprocessing.spawn target): its contiguous share of ``mini_batch(seed)``
+    through verl's engine loop with Trinity's loss; saves the gradient and the per-micro-batch log."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        rows = mini_batch(seed)
+        share = len(rows["seq_id"]) // world
+        mine = {k: v[rank * share:(rank + 1) * share] for k, v in rows.items() if k != "table"}
+        results = {}
+        with torch_padding_kernels():
+            for label, name, args, batching in DP_RUNS:
+                grad, seen = run_engine(name, mine, batching, args=args, table=rows["table"])
+                results[label] = {"grad": grad, "seen": seen}
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
