@@ -141,10 +141,38 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
                             f"{key}={b.engine}:d1."))
     if rb.engine == "vllm":
         out += _vllm_problems(cfg, rb, total)
+    out += _truncated_sampling_problems(cfg)
     if actor.dtype == "float16":
         # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
         out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
                                    "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
+    return out
+
+
+# Why refuse rather than truncate the trainer's distribution too: a truncated policy gives log-prob -inf to every
+# token outside its current top-k / top-p set, so as soon as the trained (or a stale) policy's set moves, sampled
+# tokens get an infinite log-ratio and M2PO's second moment is undefined; the set is a step function of the logits, so
+# the truncated log-prob's gradient ignores how the set changes; and vLLM's sampling kernels and transformers' warpers
+# break ties at the nucleus edge differently, so the two engines' sets could not be matched to fp precision. The
+# paper, AReaL and verl's recipe sample at top_p=1, top_k off for training for the same reason.
+_TRUNCATION_WHY = ("the trainer's log-probs (actor.behavior_logp=rollout or recompute) use the full tempered softmax, "
+                   "so a truncated sampler's behaviour log-probs make the on-policy log-ratio negative on every token "
+                   "(mean -0.10 at top_p 0.9) and bias M2 and every importance ratio")
+
+
+def _truncated_sampling_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
+    """gconfig (training rollouts) must sample the untruncated policy; eval_gconfig is free (no log-probs used)."""
+    g, out = cfg.gconfig, []
+    if g.greedy:
+        return out  # argmax decoding ignores top_p / top_k (and is warned about separately)
+    if g.top_p < 1.0:
+        out.append(("gconfig.top_p", f"got {g.top_p}; training rollouts must sample the full distribution: "
+                                     f"{_TRUNCATION_WHY}. Fix: set gconfig.top_p=1.0 (eval_gconfig.top_p may stay "
+                                     "< 1)."))
+    if g.top_k != 0:
+        out.append(("gconfig.top_k", f"got {g.top_k}; training rollouts must sample the full distribution: "
+                                     f"{_TRUNCATION_WHY}. Fix: set gconfig.top_k=0 (eval_gconfig.top_k may stay "
+                                     "> 0)."))
     return out
 
 
@@ -177,9 +205,6 @@ def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[
 def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
     out = []
     g = cfg.gconfig
-    if g.top_k != 0:
-        out.append(f"gconfig.top_k={g.top_k}: top-k sampling makes the behaviour log-probs differ from the policy's "
-                   "softmax, so importance ratios and M2 are biased. Set gconfig.top_k=0 unless intended.")
     if cfg.actor.loss == "fipo" and not fipo_has_drift(cfg):
         out.append("actor.loss=fipo acts only through the drift between the behaviour and the current policy, and "
                    "this run has none: rollout.fixed_staleness=0, rollout.max_head_offpolicyness=0 and "

