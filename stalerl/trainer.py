@@ -67,10 +67,12 @@ class Trainer:
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
                 "version; use rollout.backend=hf:dX (transformers generate) or vllm:dX")
         if engine == "vllm":
-            from stalerl.rollout.vllm_engine import INSTALL_HINT, VLLMNotInstalled, vllm_available
+            from stalerl.rollout.vllm_engine import (INSTALL_HINT, VLLMNotInstalled, check_vllm_version,
+                                                     installed_vllm_version, vllm_available)
 
             if not vllm_available():  # before any work: data, model, warm start
                 raise VLLMNotInstalled(INSTALL_HINT)
+            check_vllm_version(installed_vllm_version())
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)

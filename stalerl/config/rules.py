@@ -120,10 +120,13 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     elif total > 0:
         need_rollout = rb.world_size if rb.engine in _GPU_ROLLOUT_ENGINES else 0
         need_actor = ab.world_size if actor.device != "cpu" else 0
-        if need_rollout + need_actor > total:
+        # The synchronous loop runs its one engine inside the trainer's process, on the trainer's GPU (vLLM and the
+        # trainer share it: docs/gpu.md sizes vLLM's part); separate GPUs exist only for asynchronous workers.
+        need = need_rollout + need_actor if is_async(cfg) else max(need_rollout, need_actor)
+        if need > total:
             out.append(("cluster.n_gpus_per_node",
                         f"rollout.backend={ro.backend!r} ({need_rollout} GPUs) + actor.backend={actor.backend!r} "
-                        f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
+                        f"({need_actor} GPUs) need {need} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
     if not is_async(cfg):
@@ -185,7 +188,7 @@ def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[
             out.append(("rollout.backend", f"got {cfg.rollout.backend!r} with cluster.n_gpus_per_node=0; on CPU "
                                            "each vLLM replica runs in one process without tensor parallelism. "
                                            f"Fix: use rollout.backend=vllm:d{rb.dp}."))
-        if v.dtype == "float16":
+        if v.dtype == "float16":  # null resolves to float32 on CPU
             out.append(("rollout.vllm.dtype", "got 'float16' on CPU (cluster.n_gpus_per_node=0); vLLM's CPU build "
                                               "computes in float32 or bfloat16. Fix: set rollout.vllm.dtype=float32."))
     longest = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)

