@@ -72,10 +72,11 @@ def tiny_policy():
     return model, tok
 
 
-def end_token_state(model, token_id: int) -> dict[str, torch.Tensor]:
+def end_token_state(model, token_id: int, suppress: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """Weights whose greedy (and, by a wide margin, sampled) choice is ``token_id`` after any prefix: the last layer's
     attention adds one huge constant vector (V = its bias, o_proj = identity), so the final hidden state points one
-    way, and ``token_id``'s (tied) embedding row is that direction."""
+    way, and ``token_id``'s (tied) embedding row is that direction. ``suppress``: rows set to the opposite direction
+    (e.g. a token an earlier construction on the same model pointed that way)."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     last = model.config.num_hidden_layers - 1
     attn = f"model.layers.{last}.self_attn"
@@ -90,6 +91,8 @@ def end_token_state(model, token_id: int) -> dict[str, torch.Tensor]:
     final = torch.zeros(h)
     final[:n_v] = direction
     state["model.embed_tokens.weight"][token_id] = 5.0 * final / final.norm() * state["model.norm.weight"].sign()
+    for other in suppress:
+        state["model.embed_tokens.weight"][other] = -state["model.embed_tokens.weight"][token_id]
     if "lm_head.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

@@ -189,3 +189,15 @@ def test_generation_keeps_no_per_step_score_stack(tiny_policy, monkeypatch):
     batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, temperature=0.9)
     assert len(seen) == 1 and not seen[0][0] and seen[0][1] is None
     assert (batch.behavior_logp[batch.response_mask] < 0).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0)])
+def test_truncated_sampling_makes_the_on_policy_log_ratio_negative_on_every_token(tiny_policy, top_k, top_p):
+    """Why gconfig.top_p < 1 / top_k > 0 are refused for training: the trainer's log-prob (full softmax) of a token
+    drawn from the truncated distribution is below the behaviour log-prob by log(kept mass) on every token."""
+    model, tok = tiny_policy
+    torch.manual_seed(8)
+    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8, top_k=top_k, top_p=top_p)
+    actor = Actor(model, load_config([]).actor, temperature=1.0, total_updates=1)
+    ratio = (actor.compute_logp(batch) - batch.behavior_logp)[batch.response_mask]
+    assert ratio.numel() > 20 and (ratio < -1e-3).all(), ratio.max()
