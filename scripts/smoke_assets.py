@@ -106,8 +106,7 @@ def main() -> None:
     tok = build_tokenizer()
     model = build_model(tok, args.size, args.device)
     model_dir = args.out / "model"
-    if args.save_dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    model = model.to("cpu", torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     write_data(args.out / "data", n_train=1024, n_test=128)
