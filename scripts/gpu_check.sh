@@ -19,7 +19,7 @@
 #
 #   bash scripts/gpu_check.sh                             # on the GPU machine (prepare .whl/ first, here)
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh    # CPU dry mode: tiny sizes, same script and code paths
-# Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here), STALERL_CHECK_TIMEOUT_S (300, the real-scale run),
+# Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here), STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
 #      STALERL_SMOKE_DIR (work dir; default a new temp dir), STALERL_CHECK_REPORT (also copy the JSON report there),
 #      STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1 (install the wheels even if omegaconf imports),
 #      PYTHON (python3).
@@ -31,7 +31,8 @@ DEVICE="${STALERL_SMOKE_DEVICE:-cuda}"
 STEPS="${STALERL_CHECK_STEPS:-2}"
 WORK="${STALERL_SMOKE_DIR:-$(mktemp -d -t stalerl-gpucheck-XXXXXX)}"
 WHEELS="${STALERL_CHECK_WHEELS:-$REPO/.whl}"
-LIMIT="${STALERL_CHECK_TIMEOUT_S:-300}"
+# The limit keeps a GPU slot's budget for step 3; the CPU dry mode has no such budget (a loaded CI runner is slow).
+LIMIT="${STALERL_CHECK_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 3600 || echo 300)}"
 export STALERL_SMOKE_DIR="$WORK" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
