@@ -19,7 +19,8 @@
 #
 #   bash scripts/gpu_check.sh                             # on the GPU machine (prepare .whl/ first, here)
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh    # CPU dry mode: tiny sizes, same script and code paths
-# Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here), STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
+# Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here),
+#      STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
 #      STALERL_SMOKE_DIR (work dir; default a new temp dir), STALERL_CHECK_REPORT (also copy the JSON report there),
 #      STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1 (install the wheels even if omegaconf imports),
 #      PYTHON (python3).
@@ -43,7 +44,8 @@ fail() { echo "gpu_check: FAIL $*" >&2; exit 1; }
 # ---------------------------------------------------------------------------------------------- 1. environment
 if [ "${STALERL_CHECK_FORCE_WHEELS:-0}" = 1 ] || ! "$PY" -c "import omegaconf" 2>/dev/null; then
   ls "$WHEELS"/*.whl >/dev/null 2>&1 \
-    || fail "omegaconf is not importable and $WHEELS holds no wheels: run bash scripts/prepare_gpu_wheels.sh where pip reaches PyPI, and carry .whl/ along"
+    || fail "omegaconf is not importable and $WHEELS holds no wheels: run bash scripts/prepare_gpu_wheels.sh" \
+            "where pip reaches PyPI, and carry .whl/ along"
   "$PY" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$WHEELS"/*.whl \
     || fail "installing $WHEELS/*.whl into $WORK/pydeps"
   export PYTHONPATH="$WORK/pydeps:$PYTHONPATH"
@@ -113,5 +115,7 @@ echo "gpu_check: real-scale part done after $((SECONDS - START))s"
 bash scripts/gpu_smoke.sh
 SMOKE_RC=$?
 echo
-echo "gpu_check: real scale $([ $REAL_OK = 1 ] && echo PASS || echo FAIL), smoke runs $([ $SMOKE_RC = 0 ] && echo PASS || echo FAIL); $((SECONDS - START))s in all (report $WORK/gpu_check_report.json)"
+verdict() { [ "$1" = "$2" ] && echo PASS || echo FAIL; }
+echo "gpu_check: real scale $(verdict $REAL_OK 1), smoke runs $(verdict $SMOKE_RC 0);" \
+     "$((SECONDS - START))s in all (report $WORK/gpu_check_report.json)"
 [ $REAL_OK = 1 ] && [ $SMOKE_RC = 0 ]
