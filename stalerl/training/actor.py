@@ -11,6 +11,7 @@ micro-batch first, when there is more than one micro-batch or rank) and hands ea
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -161,6 +162,7 @@ class Actor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
+        self.logp_seconds = 0.0  # wall time in compute_logp (no-grad passes), for the trainer's step-time split
 
     # ---------------------------------------------------------------- log-probs
     def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
@@ -202,6 +204,7 @@ class Actor:
     @torch.no_grad()
     def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs of the batch's responses under the current weights (no grad), (N, R) on CPU, 0 on padding."""
+        start = time.perf_counter()  # the .cpu() copies below wait for the device, so this is the pass's time
         was_training = self.model.training
         self.model.eval()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
@@ -213,6 +216,7 @@ class Actor:
         for _ in range(self._missing_passes(len(micro))):
             fsdp.dummy_forward(self.model, self.device)
         self.model.train(was_training)
+        self.logp_seconds += time.perf_counter() - start
         return out
 
     def _missing_passes(self, n_micro: int) -> int:

@@ -55,6 +55,19 @@ def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
     return max(0, steps)
 
 
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory since the process started: the CUDA caching allocator's allocated/reserved bytes on a GPU, the
+    process's peak RSS otherwise (GiB)."""
+    if device.type == "cuda":
+        return {"memory/gpu_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "memory/gpu_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return {}
+    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux: KiB
+
+
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
@@ -67,10 +80,12 @@ class Trainer:
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
                 "version; use rollout.backend=hf:dX (transformers generate) or vllm:dX")
         if engine == "vllm":
-            from stalerl.rollout.vllm_engine import INSTALL_HINT, VLLMNotInstalled, vllm_available
+            from stalerl.rollout.vllm_engine import (INSTALL_HINT, VLLMNotInstalled, check_vllm_version,
+                                                     installed_vllm_version, vllm_available)
 
             if not vllm_available():  # before any work: data, model, warm start
                 raise VLLMNotInstalled(INSTALL_HINT)
+            check_vllm_version(installed_vllm_version())
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)
@@ -322,13 +337,16 @@ class Trainer:
         self._gen_seconds, self._gen_tokens = 0.0, 0
         self._gen_rewards = []  # reward/generated: this step's fresh batches (under a FIFO, not the consumed one)
         t0 = time.perf_counter()
+        logp0 = self.actor.logp_seconds
         batch = self.fifo.next_batch(self.generate_batch)
         t_gen = time.perf_counter() - t0
+        logp_gen = self.actor.logp_seconds - logp0  # actor.behavior_logp=recompute
         advantages = self.advantages(batch)
         stale = staleness_stats(batch, self.step)
         t1 = time.perf_counter()
         metrics = self.actor.update(batch, advantages)
         t_train = time.perf_counter() - t1
+        logp_train = self.actor.logp_seconds - logp0 - logp_gen  # a batch selector's (M2PO's) no-grad pass
         self.step += 1
         metrics.update(stale)
         metrics.update(self.batch_metrics(batch))
@@ -337,10 +355,14 @@ class Trainer:
         train_tokens = float(batch.attention_mask().sum())
         metrics.update({
             "timing/gen_s": t_gen, "timing/train_s": t_train, "timing/step_s": time.perf_counter() - t0,
+            # the same step cut into three disjoint phases: sampling, no-grad log-prob passes, forward/backward+step
+            "timing/split/generation_s": t_gen - logp_gen, "timing/split/logp_s": logp_gen + logp_train,
+            "timing/split/training_s": t_train - logp_train,
             "throughput/gen_tokens_per_s": self._gen_tokens / self._gen_seconds if self._gen_seconds else 0.0,
             "throughput/train_tokens_per_s": train_tokens / t_train if t_train else 0.0,
             "version": float(self.step),
         })
+        metrics.update(peak_memory_metrics(self.device))
         return metrics
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
