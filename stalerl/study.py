@@ -13,7 +13,10 @@ name -> overrides, e.g. behaviour log-prob rollout vs recompute), ``settings`` (
 the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``stale S dX+dY rollout R``, and is
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
-``figure_metrics``, ``claims`` (``staleness`` or ``async``: check the published claims, see stalerl.report_claims).
+``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
+stalerl.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way, see
+stalerl.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g. on-policy once),
+``pilot`` (free-form record of a pilot's grid, decision rule and outcome; not used by the runner).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
@@ -46,7 +49,7 @@ from stalerl.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary,
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
              "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
-             "claims"}
+             "claims", "setting_losses", "pilot"}
 
 
 class StudyError(ValueError):
@@ -63,8 +66,17 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     for key in ("name", "config", "losses", "settings", "seeds"):
         if not spec.get(key):
             raise StudyError(f"{p}: '{key}' is required (see stalerl/study.py for the format)")
-    if spec.get("claims") not in (None, "staleness", "async"):
-        raise StudyError(f"{p}: claims={spec['claims']!r}; expected staleness or async (or leave it out)")
+    claims = spec.get("claims")
+    if isinstance(claims, dict):  # pre-registered claims (stalerl.report_prereg): checked before anything runs
+        from stalerl.report_prereg import ClaimSpecError, parse_claims
+
+        try:
+            parse_claims(claims)
+        except ClaimSpecError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
+    elif claims not in (None, "staleness", "async"):
+        raise StudyError(f"{p}: claims={claims!r}; expected a mapping of pre-registered claims (see "
+                         "stalerl/report_prereg.py), or the legacy staleness / async (or leave it out)")
     if not isinstance(spec["settings"], dict):
         raise StudyError(f"{p}: 'settings' must map a setting name to its list of overrides")
     spec.setdefault("title", spec["name"])
@@ -77,7 +89,51 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("doc", "docs/algorithms/m2po.md")
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
+    only = spec.setdefault("setting_losses", {})
+    if not isinstance(only, dict):
+        raise StudyError(f"{p}: 'setting_losses' must map a setting name to the losses run there (e.g. the "
+                         "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
+    for setting, losses in only.items():
+        if setting not in spec["settings"]:
+            raise StudyError(f"{p}: setting_losses names {setting!r}, which is not in 'settings' "
+                             f"({', '.join(spec['settings'])})")
+        bad = [x for x in (losses or []) if x not in spec["losses"]]
+        if not losses or bad:
+            raise StudyError(f"{p}: setting_losses[{setting!r}]={losses!r}: expected a non-empty list of losses "
+                             f"from 'losses' ({', '.join(spec['losses'])})")
+    if isinstance(claims, dict):
+        _check_claim_cells(spec, p)
     return spec
+
+
+def _check_claim_cells(spec: dict[str, Any], p: Path) -> None:
+    """Every cell a pre-registered claim names must be in the grid (a typo would make a claim untestable)."""
+    from stalerl.report_prereg import parse_claims
+
+    grid = {tuple(x) for x in _grid(spec)}
+    claim_set = parse_claims(spec["claims"])
+    cells = [("baseline", claim_set.baseline)] if claim_set.baseline else []
+    cells += [(f"{c.id}.{k}", getattr(c, k)) for c in claim_set.claims for k in ("a", "b")]
+    for where, cell in cells:
+        if cell not in grid:
+            raise StudyError(f"{p}: claims {where} names '{cell[0]} @ {cell[1]}', which the grid does not run; "
+                             f"expected one of {', '.join(f'{m} @ {st}' for m, st in sorted(grid))}")
+
+
+def _losses_at(spec: dict[str, Any], setting: str) -> list[str]:
+    """The losses run at a setting: setting_losses' list (within a --losses subset), else every loss."""
+    only = (spec.get("setting_losses") or {}).get(setting)
+    return [x for x in spec["losses"] if x in only] if only else list(spec["losses"])
+
+
+def _grid(spec: dict[str, Any]) -> list[list[str]]:
+    """[method label, setting] of every cell the spec runs (setting_losses restricts a setting's losses)."""
+    labels = dict(zip(spec["losses"], _labels_per_loss(spec)))
+    out = []
+    for setting in spec["settings"]:
+        for loss in _losses_at(spec, setting):
+            out += [[m, setting] for m in labels[loss]]
+    return out
 
 
 def _slug(text: str) -> str:
@@ -89,7 +145,7 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
     variants = spec["variants"] or {"": []}
     runs = []
     for setting, s_ovr in spec["settings"].items():
-        for loss in spec["losses"]:
+        for loss in _losses_at(spec, setting):
             for variant, v_ovr in variants.items():
                 for seed in spec["seeds"]:
                     trial = "-".join(x for x in (_slug(loss), _slug(variant), _slug(setting), f"seed{seed}") if x)
@@ -221,7 +277,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
 
     # 2. The grid, skipping runs that already finished.
     todo = [(r, c) for r, c in zip(runs, configs)
-            if force or _status(run_dir(c)) != "finished"]
+            if force or _status(run_dir(c)) not in ("finished", "diverged")]  # a divergence is a result
     print(f"{len(runs) - len(todo)} runs already finished; running {len(todo)}")
     codes: dict[str, int] = {}
     if todo and kind == "local":
@@ -237,6 +293,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     # 3. Collect the summaries (a run that died without one gets a failed summary from its config).
     results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
+    statuses: dict[str, Optional[str]] = {}
     for r, cfg in zip(runs, configs):
         path = run_dir(cfg) / SUMMARY_FILE
         if path.is_file():
@@ -245,6 +302,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
             summary = build_summary(cfg, status="failed", wall_s=0.0,
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
         write_summary(results / f"{r['trial']}.json", summary)
+        statuses[r["trial"]] = summary.get("status")
     wall = time.time() - start
     previous = results / "study.json"
     if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
@@ -264,6 +322,8 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     for key in ("figure_metrics", "claims"):  # optional: figures to draw, published claims to check
         if spec.get(key):
             meta[key] = spec[key]
+    if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
+        meta["grid"] = _grid(spec)
     atomic_write_text(results / "study.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
@@ -272,22 +332,30 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         code = report_main([str(results), "--update-doc", spec["doc"]])
         if code:
             return code
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    # A diverged run exits with an error but is a result (its summary says so), not a failed study.
+    return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
 
 
-def _method_labels(spec: dict[str, Any]) -> list[str]:
+def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
+    """Per loss (in spec order), the method labels of its variants as the report names them."""
     from stalerl.report import method_label
 
     keys = spec["method_keys"]
     out = []
     for loss in spec["losses"]:
+        labels = []
         for variant, ovr in (spec["variants"] or {"": []}).items():
             fields = {"loss": loss}
             for o in ovr or []:
                 k, _, v = o.partition("=")
                 fields[k.rsplit(".", 1)[-1]] = v
-            out.append(method_label(fields, keys))
-    return list(dict.fromkeys(out))
+            labels.append(method_label(fields, keys))
+        out.append(labels)
+    return out
+
+
+def _method_labels(spec: dict[str, Any]) -> list[str]:
+    return list(dict.fromkeys(m for labels in _labels_per_loss(spec) for m in labels))
 
 
 def _status(d: Path) -> Optional[str]:
