@@ -223,6 +223,13 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
     }
 
 
+def identity_fields(cfg: Any) -> dict[str, Any]:
+    """The fields a study's ``method_keys`` may name: seed, loss, behaviour log-probs and the optimizer knobs a
+    pilot varies (lr, gradient_clipping)."""
+    return {"seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
+            "lr": cfg.actor.optimizer.lr, "gradient_clipping": cfg.actor.optimizer.gradient_clipping}
+
+
 def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
                   rows: Optional[Iterable[Mapping[str, Any]]] = None) -> dict[str, Any]:
     from stalerl.config import run_dir
@@ -242,7 +249,7 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
             rows = []
     out = {
         "schema": SCHEMA, "run": cfg.trial_name, "experiment": cfg.experiment_name, "status": status,
-        "error": error, "seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
+        "error": error, **identity_fields(cfg),
         "config_digest": digest(d), "setting_digest": digest(setting_cfg),
         "steps_planned": cfg.total_train_steps, "eval_prompts": cfg.evaluator.n_prompts,
         "eval_every": cfg.evaluator.freq_steps,

@@ -44,8 +44,8 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from stalerl.io import atomic_write_text
-from stalerl.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, machine_description,
-                                 read_summary, setting_of, write_summary)
+from stalerl.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
+                                 machine_description, read_summary, setting_of, write_summary)
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
              "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
@@ -149,7 +149,8 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
             for variant, v_ovr in variants.items():
                 for seed in spec["seeds"]:
                     trial = "-".join(x for x in (_slug(loss), _slug(variant), _slug(setting), f"seed{seed}") if x)
-                    runs.append({"trial": trial, "seed": seed, "setting": setting, "overrides": [
+                    runs.append({"trial": trial, "seed": seed, "setting": setting,
+                                 "method": _label(spec, loss, v_ovr), "overrides": [
                         *spec["overrides"], f"experiment_name={spec['experiment_name']}", f"actor.loss={loss}",
                         *(v_ovr or []), *(s_ovr or []), f"seed={seed}", f"trial_name={trial}"]})
     return runs
@@ -168,10 +169,17 @@ def check_settings(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[Any
     configs = []
     for r in runs:
         cfg = _load(spec["config"], r["overrides"])
-        got = setting_of(_config_dict(cfg))["setting"]
+        d = _config_dict(cfg)
+        got = setting_of(d)["setting"]
         if got != r["setting"]:
             raise StudyError(f"setting {r['setting']!r} runs as {got!r}; rename it to {got!r} in the spec (the report "
                              "groups by the name a run reports)")
+        from stalerl.report import method_label
+
+        reported = method_label(identity_fields(cfg), spec["method_keys"])
+        if r.get("method") is not None and reported != r["method"]:
+            raise StudyError(f"run {r['trial']} reports method {reported!r}, the spec calls it {r['method']!r}; "
+                             "write the variant's values as the run records them (e.g. 0.0003, 1.0)")
         configs.append(cfg)
     return configs
 
@@ -336,22 +344,21 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
 
 
-def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
-    """Per loss (in spec order), the method labels of its variants as the report names them."""
+def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) -> str:
+    """The method label a run of ``loss`` with a variant's overrides will report (checked against the config by
+    check_settings, so a value written differently from how the summary records it is caught before any run)."""
     from stalerl.report import method_label
 
-    keys = spec["method_keys"]
-    out = []
-    for loss in spec["losses"]:
-        labels = []
-        for variant, ovr in (spec["variants"] or {"": []}).items():
-            fields = {"loss": loss}
-            for o in ovr or []:
-                k, _, v = o.partition("=")
-                fields[k.rsplit(".", 1)[-1]] = v
-            labels.append(method_label(fields, keys))
-        out.append(labels)
-    return out
+    fields = {"loss": loss}
+    for o in overrides or []:
+        k, _, v = o.partition("=")
+        fields[k.rsplit(".", 1)[-1]] = v
+    return method_label(fields, spec["method_keys"])
+
+
+def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
+    """Per loss (in spec order), the method labels of its variants as the report names them."""
+    return [[_label(spec, loss, ovr) for ovr in (spec["variants"] or {"": []}).values()] for loss in spec["losses"]]
 
 
 def _method_labels(spec: dict[str, Any]) -> list[str]:
