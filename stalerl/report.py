@@ -307,7 +307,7 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
 DIAGNOSTIC_COLUMNS = (
     ("M2 before masking (mean)", "actor/m2po/m2_before", "mean"),
     ("M2 all tokens (mean)", "actor/m2_all_tokens", "mean"),
-    ("|log-ratio| max (max)", "actor/log_ratio_abs_max", "max"),
+    ("\\|log-ratio\\| max (max)", "actor/log_ratio_abs_max", "max"),  # escaped: a table cell
     ("ratio max (max)", "actor/ratio_max", "max"),
     ("entropy (mean)", "rollout/entropy", "mean"),
 )

@@ -251,22 +251,23 @@ def render_paired_table(cells, claim_set: ClaimSet, metrics: Sequence[str] = ("l
     """One compact table: per stale setting and primary metric, each loss minus the on-policy baseline, M2PO minus
     clip, M2PO minus no trust region (paired mean ± 95% half-width, wins/n), with the adjusted verdicts of the
     claims on that row. The on-policy baseline is shown once, above the table."""
-    if claim_set.baseline is None:
-        return []
-    base = claim_set.baseline
+    base = claim_set.baseline  # None (e.g. an asynchronous grid with no on-policy run): no "- on-policy" columns
     results = evaluate(cells, claim_set)
     methods = list(dict.fromkeys(c.method for c in cells if (c.method, c.setting) != base))
-    settings = list(dict.fromkeys(c.setting for c in cells if c.setting != base[1]))
-    base_runs = outcome_runs(cells, base)
-    base_text = "; ".join(f"{METRIC_NAMES[m]} {format_estimate(mean_interval(v))}" for m in metrics
-                          if (v := [x for r in base_runs if (x := run_metric(r, m, claim_set.rule)) is not None]))
-    comparisons = [(f"{m} − on-policy", m, base) for m in methods]
+    settings = list(dict.fromkeys(c.setting for c in cells if base is None or c.setting != base[1]))
+    comparisons = [(f"{m} − on-policy", m, base) for m in methods] if base else []
     if "m2po" in methods:
         comparisons += [(f"m2po − {o}", "m2po", o) for o in ("vanilla", "no_trust_region") if o in methods]
+    if not comparisons:
+        return []
+    intro = "Paired differences (mean over seeds ± 95% t half-width, then a-higher wins/n)."
+    if base:
+        base_runs = outcome_runs(cells, base)
+        base_text = "; ".join(f"{METRIC_NAMES[m]} {format_estimate(mean_interval(v))}" for m in metrics
+                              if (v := [x for r in base_runs if (x := run_metric(r, m, claim_set.rule)) is not None]))
+        intro += f" On-policy baseline {_cell_name(base)} (n={len(base_runs)}): {base_text or 'no runs'}."
     header = ["setting", "metric", *(name for name, _, _ in comparisons), "claims (adjusted verdict)"]
-    lines = [f"Paired differences (mean over seeds ± 95% t half-width, then a-higher wins/n). On-policy baseline "
-             f"{_cell_name(base)} (n={len(base_runs)}): {base_text or 'no runs'}.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for setting in settings:
         for metric in metrics:
             row = [setting, METRIC_NAMES[metric]]

@@ -299,3 +299,22 @@ def test_block_has_paired_table_claims_and_diagnostics_and_old_summaries_load():
     assert "| clip-degrades: clip degrades |" in md and "Holm p" in md
     assert "Drift diagnostics" in md and "| 3.0000 (n=1) |" in md
     assert render_markdown(cells, study="t", claims=claims) == md  # deterministic
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
+    from stalerl.run_summary import DIAGNOSTIC_METRICS, downsample, summarize_metrics
+
+    rows = [{"step": 0, "eval/accuracy": 0.1}]
+    for s in range(1, 241):
+        rows.append({"step": s, "actor/grad_norm": 1.0, "actor/m2po/m2_before": 0.01 * s,
+                     "actor/m2_all_tokens": 0.02, "actor/log_ratio_abs_max": 5.0 if s == 77 else 0.5,
+                     "actor/ratio_max": 1.1, "actor/vanilla/clip_fraction": 0.01, "rollout/entropy": 1.5})
+    out = summarize_metrics(rows)
+    assert set(out["diagnostics"]) == set(DIAGNOSTIC_METRICS) - {"actor/m2po/m2_after", "actor/m2po/masked_fraction"}
+    assert out["diagnostics"]["actor/log_ratio_abs_max"]["max"] == 5.0
+    assert out["diagnostics"]["actor/m2po/m2_before"]["mean"] == pytest.approx(0.01 * 120.5)
+    curve = out["curves"]["actor/log_ratio_abs_max"]
+    assert len(curve) == 60 and max(v for _, v in curve) == 5.0  # a max curve keeps its spike when downsampled
+    assert max(v for _, v in downsample([(s, 5.0 if s == 77 else 0.5) for s in range(1, 241)])) < 5.0  # a mean
+    assert out["curves"]["rollout/entropy"][-1] == [240, 1.5]
