@@ -8,12 +8,13 @@ The spec's ``pilot`` mapping states the rule before the pilot runs::
       stale_loss: no_trust_region      # the loss whose collapse is sought
       on_policy: fixed_staleness 0     # the setting of the on-policy runs (same optimizer variant)
       prosper: 0.05                    # early peak - step-0 eval, in every seed
-      # collapse: the spec's claims.collapse rule (a diverged run collapses)
+      collapse: {after_step: 100, drop: 0.1, consecutive: 2, early_end: 150, final_evals: 3}
 
 A *regime* is one optimizer variant (the method label minus the loss) x one stale setting. It qualifies when, in
 every pilot seed, the stale loss first prospers (its best eval up to ``collapse.early_end`` is >= ``prosper`` above
-its step-0 eval) and then collapses (the pre-registered collapse rule), while no on-policy run of the same variant
-collapses. The chosen regime is the qualifying one with the smallest staleness, then the order of the spec's
+its step-0 eval) and then collapses (``collapse``: stalerl.report_metrics.CollapseRule; a diverged run collapses),
+while no on-policy run of the same variant collapses. The study report renders this table in the pilot's block
+(``pilot`` is copied into study.json). The chosen regime is the qualifying one with the smallest staleness, then the order of the spec's
 variants. M2PO, clip and FIPO runs are never read: the regime is chosen without looking at them.
 """
 
@@ -89,16 +90,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = load_spec(a.spec)
         if not isinstance(spec.get("pilot"), dict):
             raise StudyError(f"{a.spec}: no 'pilot' mapping (stale_loss, on_policy, prosper); add the rule first")
-        claims = spec.get("claims") if isinstance(spec.get("claims"), dict) else {}
-        rule = CollapseRule.from_spec(claims.get("collapse"))
         meta = load_study([a.results])
         cells = group(load_summaries([a.results]), method_keys=spec["method_keys"], grid=meta.get("grid"))
-        rows, chosen = decide(cells, spec["pilot"], rule)
+        text = render_pilot(cells, spec["pilot"])
     except (StudyError, ReportError, ValueError) as exc:
         print(f"stalerl.pilot: {exc}", file=sys.stderr)
         return 2
-    print(render(rows, chosen, spec["pilot"].get("stale_loss", "no_trust_region")))
+    print(text)
     return 0
+
+
+PILOT_KEYS = {"stale_loss", "on_policy", "prosper", "collapse", "outcome"}
+
+
+def check_pilot(pilot: Any, where: str = "pilot") -> CollapseRule:
+    """Validate a spec's ``pilot`` mapping; returns its collapse rule."""
+    if not isinstance(pilot, Mapping):
+        raise ValueError(f"{where}: expected a mapping with stale_loss, on_policy, prosper, collapse")
+    unknown = set(pilot) - PILOT_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
+                         f"{', '.join(sorted(PILOT_KEYS))}")
+    prosper = pilot.get("prosper", 0.05)
+    if isinstance(prosper, bool) or not isinstance(prosper, (int, float)) or not 0 <= prosper <= 1:
+        raise ValueError(f"{where}.prosper={prosper!r}: expected an accuracy gain in [0, 1], e.g. 0.05")
+    return CollapseRule.from_spec(pilot.get("collapse"), f"{where}.collapse")
+
+
+def render_pilot(cells: Sequence[Any], pilot: Mapping[str, Any]) -> str:
+    rows, chosen = decide(cells, pilot, check_pilot(pilot))
+    return render(rows, chosen, pilot.get("stale_loss", "no_trust_region"))
 
 
 if __name__ == "__main__":

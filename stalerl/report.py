@@ -247,7 +247,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] = None,
                     command: Optional[str] = None, regenerate: Optional[str] = None, wall_s: Optional[float] = None,
                     machine: Optional[Mapping[str, Any]] = None, figures: Sequence[str] = (),
-                    method_keys: Sequence[str] = ("loss",), claims: Optional[Any] = None) -> str:
+                    method_keys: Sequence[str] = ("loss",), claims: Optional[Any] = None,
+                    pilot: Optional[Mapping[str, Any]] = None) -> str:
     from stalerl.report_prereg import is_prereg, parse_claims
 
     claim_set = parse_claims(claims) if is_prereg(claims) else None
@@ -296,7 +297,12 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
         from stalerl.report_claims import render_claims
 
         lines += ["", *render_claims(cells, claims)]
-    if claim_set:
+    if pilot is not None:  # the pilot's decision rule (stalerl.pilot), on no trust region and on-policy only
+        from stalerl.pilot import render_pilot
+
+        lines += ["", "Pilot decision (rule fixed in the spec before the runs; only the stale loss and the on-policy "
+                  "runs are read):", "", render_pilot(cells, pilot)]
+    if claim_set or pilot is not None:
         lines += ["", *render_diagnostics(cells)]
     for fig in figures:
         lines += ["", f"![{study}: {Path(fig).stem}]({fig})"]
@@ -456,7 +462,8 @@ def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: O
     regenerate = meta.get("regenerate")
     block = render_markdown(cells, study=study, title=title or meta.get("title"), command=meta.get("command"),
                             regenerate=regenerate, wall_s=meta.get("wall_s"), machine=meta.get("machine"),
-                            figures=links, method_keys=method_keys, claims=meta.get("claims"))
+                            figures=links, method_keys=method_keys, claims=meta.get("claims"),
+                            pilot=meta.get("pilot"))
     return block, fig_paths
 
 

@@ -103,6 +103,13 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
                              f"from 'losses' ({', '.join(spec['losses'])})")
     if isinstance(claims, dict):
         _check_claim_cells(spec, p)
+    if spec.get("pilot") is not None:
+        from stalerl.pilot import check_pilot
+
+        try:
+            check_pilot(spec["pilot"])
+        except ValueError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
     return spec
 
 
@@ -327,7 +334,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         "wall_s": round(wall, 1), "runs": len(runs), "parallel": spec["parallel"], "scheduler": kind,
         "machine": machine_description(),
     }
-    for key in ("figure_metrics", "claims"):  # optional: figures to draw, published claims to check
+    for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
         if spec.get(key):
             meta[key] = spec[key]
     if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells

@@ -318,3 +318,21 @@ def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
     assert len(curve) == 60 and max(v for _, v in curve) == 5.0  # a max curve keeps its spike when downsampled
     assert max(v for _, v in downsample([(s, 5.0 if s == 77 else 0.5) for s in range(1, 241)])) < 5.0  # a mean
     assert out["curves"]["rollout/entropy"][-1] == [240, 1.5]
+
+
+def test_committed_schema_1_summaries_load_into_the_new_report():
+    """The committed (schema 1) staleness summaries have no diagnostics, eval_every or 1,024-problem evals; the
+    pre-registered claims of the current spec still render from them (diagnostics shown as '-')."""
+    import yaml
+
+    from conftest import REPO
+    from stalerl.report import load_summaries
+
+    results = REPO / "docs" / "algorithms" / "results" / "staleness"
+    summaries = load_summaries([results])
+    assert summaries and all(s["schema"] == 1 and "diagnostics" not in s for s in summaries)
+    spec = yaml.safe_load((REPO / "examples" / "math" / "study" / "staleness.yaml").read_text())
+    md = render_markdown(group(summaries), study="staleness", claims=spec["claims"])
+    assert md.count("| fixed_staleness 64 | eval-curve AUC |") == 1
+    assert "| trust-region-helps-64: M2PO beats no trust region (S 64) |" in md
+    assert "| fixed_staleness 64 | no_trust_region | - | - | - | - | - | " in md

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from stalerl.report import group
+from stalerl.pilot import check_pilot
+from stalerl.report import group, render_markdown
 from stalerl.report_metrics import CollapseRule
 from stalerl.study import StudyError, _grid, check_settings, expand, load_spec
 
@@ -87,3 +88,7 @@ def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
         if r["loss"] == "vanilla" and r["method"].endswith("lr=b"):
             r["curves"]["eval/accuracy"] = [[s, v] for s, v in boom]
     assert decide(group(runs, method_keys=["method"]), {}, CollapseRule())[1] is None
+    md = render_markdown(group(runs, method_keys=["method"]), study="p", pilot={"prosper": 0.05})
+    assert "No regime qualifies: a negative result" in md and "| lr=b @ fixed_staleness 64 | 2/2 | 2/2 | 2/2 | no |" in md
+    with pytest.raises(ValueError, match="pilot.prosper"):
+        check_pilot({"prosper": 5})
