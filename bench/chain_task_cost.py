@@ -4,8 +4,12 @@ Each task's config (examples/math/gsm8k_m2po_cpu.yaml = `add`, gsm8k_chain_cpu.y
 warm start (an untrained model samples to max_new_tokens, so its responses are as long as a trained one's: 10 vs
 32 tokens), one thread; then a few RL steps (no_trust_region at fixed_staleness 4) and one full eval are timed. CPU
 seconds (``time.process_time``) are reported beside wall seconds: on a shared machine the wall clock measures the
-neighbours, while one single-threaded run's CPU time is what it needs on an idle core. The last lines project the
-wall time of a study grid: runs x (steps x step + evals x eval) / parallel, plus one warm start per seed.
+neighbours, while one single-threaded run's CPU time is what it needs on an idle core (on a crowded machine even CPU
+time inflates, so the chain/add *ratios* are the robust figures). The last lines project the wall time of a study
+grid, runs x (steps x step + evals x eval) / parallel, plus one warm start per seed: once from the CPU seconds
+measured here, once calibrated: the ratios times the `add` task's idle figures (``--add-step-s``,
+``--add-eval-s``; defaults from the committed staleness study: 61 s of steps for 300 steps and ~3 s for 7 evals of
+256 problems per run, 2 runs at a time on 2 cores).
 
     python bench/chain_task_cost.py
     python bench/chain_task_cost.py --steps 8 --runs 18 --train-steps 400 --parallel 2
@@ -55,6 +59,9 @@ def main() -> None:
                                                                   "parallel like runs)")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--fileroot", default="/tmp/stalerl-bench-chain")
+    p.add_argument("--add-step-s", type=float, default=0.204, help="idle wall seconds per add step (calibration)")
+    p.add_argument("--add-eval-s", type=float, default=0.45, help="idle wall seconds per add eval of 256 problems")
+    p.add_argument("--eval-every", type=int, default=None, help="eval spacing of the grid (default: the config's)")
     a = p.parse_args()
     torch.set_num_threads(1)
     res = {task: measure(task, a.steps, a.fileroot) for task in ("add", "chain")}
@@ -65,11 +72,15 @@ def main() -> None:
     print(f"ratio chain/add: step x{res['chain']['step_cpu'] / res['add']['step_cpu']:.2f} CPU, "
           f"eval x{res['chain']['eval_cpu'] / res['add']['eval_cpu']:.2f} CPU")
     c = res["chain"]
-    evals = a.train_steps // c["eval_every"] + 1
-    per_run = a.train_steps * c["step_cpu"] + evals * c["eval_cpu"]
-    grid = a.runs * per_run / a.parallel + (a.seeds / a.parallel) * a.warm_start_s
-    print(f"projected chain run of {a.train_steps} steps with {evals} evals: {per_run / 60:.1f} min; grid of {a.runs} "
-          f"runs, {a.parallel} at a time (+ {a.seeds} warm starts of {a.warm_start_s:.0f} s): {grid / 60:.0f} min")
+    evals = a.train_steps // (a.eval_every or c["eval_every"]) + 1
+    step_ratio, eval_ratio = c["step_cpu"] / res["add"]["step_cpu"], c["eval_cpu"] / res["add"]["eval_cpu"]
+    for name, step_s, eval_s in (("from CPU seconds", c["step_cpu"], c["eval_cpu"]),
+                                 ("calibrated on add", step_ratio * a.add_step_s, eval_ratio * a.add_eval_s)):
+        per_run = a.train_steps * step_s + evals * eval_s
+        grid = a.runs * per_run / a.parallel + (a.seeds / a.parallel) * a.warm_start_s
+        print(f"projected ({name}): chain run of {a.train_steps} steps with {evals} evals {per_run / 60:.1f} min; "
+              f"grid of {a.runs} runs, {a.parallel} at a time (+ {a.seeds} warm starts of {a.warm_start_s:.0f} s): "
+              f"{grid / 60:.0f} min")
 
 
 if __name__ == "__main__":
