@@ -123,6 +123,7 @@ PREREG_COLUMNS = (
     ("reward generated (last 10%)", "reward.generated.last"),
     ("grad norm (mean)", "grad_norm.mean"),
 )
+CURVE_FIELDS = ("eval.last3", "eval.auc")  # from the eval curve: defined for diverged runs too
 DIGITS = {"staleness.mean": 2, "fractions.m2po/masked_fraction": 4, "fractions.vanilla/clip_fraction": 4,
           "wall_s": 0}  # every other column: 3
 
@@ -166,15 +167,19 @@ class Cell:
         self.missing = sorted(set(expected_seeds) - present)
         self.expected = len(set(expected_seeds) | present)
 
+    def _runs(self, field: str) -> list[dict[str, Any]]:
+        """Finished runs; for the eval-curve metrics also the diverged ones (zeros after the divergence)."""
+        return [*self.finished, *self.diverged] if field in CURVE_FIELDS else self.finished
+
     def estimate(self, field: str) -> Estimate:
-        return mean_interval([v for v in (_fraction_field(r, field) for r in self.finished) if v is not None])
+        return mean_interval([v for v in (_fraction_field(r, field) for r in self._runs(field)) if v is not None])
 
     def per_seed(self, field: str) -> dict[int, float]:
         """seed -> this field, for the finished runs that have it (for paired comparisons across cells)."""
-        return {r["seed"]: v for r in self.finished if (v := _fraction_field(r, field)) is not None}
+        return {r["seed"]: v for r in self._runs(field) if (v := _fraction_field(r, field)) is not None}
 
     def value(self, field: str) -> str:
-        if not self.finished:
+        if not self._runs(field):
             return "diverged" if self.diverged else "failed" if self.failed else "missing"
         return format_estimate(self.estimate(field), DIGITS.get(field, 3))
 
