@@ -21,13 +21,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stalerl.metrics_log import read_metrics  # noqa: E402
+from stalerl.results.metrics_log import read_metrics  # noqa: E402
 
 CONFIG = REPO / "examples" / "math" / "gsm8k_m2po_cpu.yaml"
 
 
 def run(root: Path, trial: str, steps: int, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "stalerl.cli", "--config", str(CONFIG), f"cluster.fileroot={root}",
+    cmd = [sys.executable, "-m", "stalerl.launch.cli", "--config", str(CONFIG), f"cluster.fileroot={root}",
            f"trial_name={trial}", f"total_train_steps={steps}", "torch_threads=1", "warm_start.steps=300",
            "evaluator.freq_steps=null", "stats_logger.progress_bar=false", "stats_logger.tensorboard=false",
            "recover.mode=disabled", "rollout.fixed_staleness=0", *extra]

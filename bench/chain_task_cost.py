@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from stalerl.config import load_config
-from stalerl.trainer import Trainer
+from stalerl.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"add": REPO / "examples/math/gsm8k_m2po_cpu.yaml", "chain": REPO / "examples/math/gsm8k_chain_cpu.yaml"}

@@ -28,9 +28,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from stalerl.actor import Actor, DataParallel  # noqa: E402
+from stalerl.training.actor import Actor, DataParallel  # noqa: E402
 from stalerl.config import load_config  # noqa: E402
-from stalerl.model import load_policy  # noqa: E402
+from stalerl.core.model import load_policy  # noqa: E402
 from stalerl.rollout.batch import RolloutBatch  # noqa: E402
 
 WARMUP = 2

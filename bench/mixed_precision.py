@@ -1,10 +1,10 @@
 """Do bf16 runs train? Fraction of weights that change over 10 AdamW steps at lr 1e-6, on CPU.
 
 One 4096x1024 linear weight (std 0.02, as a 1.5B model's projections), the same random inputs and loss gradients for
-every variant, 10 AdamW steps at lr 1e-6 (the runtime's optimizer from ``stalerl.actor.build_optimizer``):
+every variant, 10 AdamW steps at lr 1e-6 (the runtime's optimizer from ``stalerl.training.actor.build_optimizer``):
 
 * before: pure bf16 parameters stepped in bf16 (what ``actor.dtype=bfloat16`` did: the model was loaded in bf16);
-* after (ours): float32 master parameters, forward/backward under ``stalerl.model.autocast_context(bf16)`` (bf16
+* after (ours): float32 master parameters, forward/backward under ``stalerl.core.model.autocast_context(bf16)`` (bf16
   matmuls), the optimizer stepping the float32 parameters. Also reported: the fraction of the bf16 *copy* of the
   weights (what a bf16 rollout engine would hold) that differs from the initial bf16 copy;
 * fp32: float32 parameters and compute, the reference.
@@ -22,9 +22,9 @@ import argparse
 
 import torch
 
-from stalerl.actor import build_optimizer
+from stalerl.training.actor import build_optimizer
 from stalerl.config import load_config
-from stalerl.model import autocast_context
+from stalerl.core.model import autocast_context
 
 
 def run(kind: str, w0: torch.Tensor, inputs: list[torch.Tensor], grads_out: list[torch.Tensor], lr: float,

@@ -61,7 +61,7 @@ def _build(threads: int):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stalerl.model import build_char_tokenizer
+    from stalerl.core.model import build_char_tokenizer
 
     torch.set_num_threads(threads)
     tok = build_char_tokenizer()
@@ -82,8 +82,8 @@ def _questions(rows: int, samples: int) -> tuple[list[str], list[str]]:
 def child(method: str, rows: int, new_tokens: int, samples: int, threads: int, out_path: str) -> None:
     import torch
 
-    from stalerl.model import PromptFormatter
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.model import PromptFormatter
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     model, tok = _build(threads)

@@ -40,8 +40,8 @@ def run_trl(steps: int, new_tokens: int, threads: int) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from stalerl.data import load_examples
-    from stalerl.model import PromptFormatter, build_char_tokenizer, build_tiny_model
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.model import PromptFormatter, build_char_tokenizer, build_tiny_model
+    from stalerl.core.reward import gsm8k_reward
 
     torch.set_num_threads(threads)
     tok = build_char_tokenizer()

@@ -62,8 +62,8 @@ def main() -> None:
     import torch
 
     from stalerl.data import load_examples
-    from stalerl.model import PromptFormatter, build_char_tokenizer, build_tiny_model
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.model import PromptFormatter, build_char_tokenizer, build_tiny_model
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
     from stalerl.rollout.vllm_engine import VLLMRolloutEngine, sample_seeds
 

@@ -1,7 +1,13 @@
-"""Stale-rollout policy losses behind verl's policy-loss signature.
+"""Stale-rollout policy losses behind verl's policy-loss signature, and their framework integrations.
 
-``recipe.registry`` holds them by name; ``import recipe.m2po`` registers ``m2po``; ``recipe.baselines`` registers
-``vanilla`` (PPO clip) and ``no_trust_region``. Each ``recipe/<name>/algorithm.py`` imports only torch.
+- ``recipe/<loss>/``: one loss each, ``algorithm.py`` importing only torch; ``import recipe.m2po`` registers ``m2po``,
+  ``recipe.baselines`` ``vanilla`` (PPO clip) and ``no_trust_region``, ``recipe.fipo`` ``fipo``.
+- ``recipe/<framework>/``: one training framework's integration (``recipe/verl/``: the verl plugin, config classes
+  and packaged Hydra configs). It imports only torch, ``recipe`` and its framework (lazily, with an error naming the
+  extra to install), never the ``stalerl`` runtime. ``recipe.m2po.verl`` is the verl adapter's old path, kept for
+  configs and installs that name it.
+- Shared by both: ``recipe.registry`` (the losses by name), ``recipe.common`` (helpers of the losses) and
+  ``recipe.optimizer_batch`` (one selection and token count per optimizer step across micro-batches).
 """
 
 from recipe.registry import (  # noqa: F401

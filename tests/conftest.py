@@ -65,7 +65,7 @@ def sigkill_after_checkpoint():
 
 @pytest.fixture
 def tiny_policy():
-    from stalerl.model import load_policy
+    from stalerl.core.model import load_policy
 
     torch.manual_seed(0)
     model, tok = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=0)

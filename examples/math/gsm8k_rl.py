@@ -7,7 +7,7 @@ A user error prints one line ``stalerl: error: ...`` and exits with code 2 (``--
 finished trial is extended by a larger ``total_train_steps``; the run ends with a summary and its output paths.
 
 Every config field can be overridden with a dotted ``key=value`` (``--help`` lists them all with their meaning);
-``key=a,b,c`` runs a sweep over the values. What runs, top to bottom (see stalerl/trainer.py):
+``key=a,b,c`` runs a sweep over the values. What runs, top to bottom (see stalerl/training/trainer.py):
   1. load and validate the config (stalerl/config/); build data, tokenizer and policy;
   2. optional supervised warm start (the embedded tiny model starts from random weights);
   3. loop: generate n samples per prompt (stale FIFO or asynchronous workers under max_head_offpolicyness),
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from stalerl.cli import main
+from stalerl.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -113,7 +113,7 @@ separate_async)
 fully_async)
     python3 -m verl.experimental.fully_async_policy.fully_async_main \
         "${common[@]}" \
-        actor_rollout_ref.actor.policy_loss._target_=recipe.m2po.verl.config.M2POPolicyLossConfig \
+        actor_rollout_ref.actor.policy_loss._target_=recipe.verl.config.M2POPolicyLossConfig \
         actor_rollout_ref.actor.policy_loss.loss_mode=m2po \
         +actor_rollout_ref.actor.policy_loss.m2_threshold="$TAU" \
         +actor_rollout_ref.actor.policy_loss.m2_scope="$SCOPE" \

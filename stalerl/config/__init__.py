@@ -29,6 +29,9 @@ Layout (one concern per module; ``from stalerl.config import ...`` is the public
 - :mod:`~stalerl.config.loading`: ``parse_args``, ``load_config``, ``apply_overrides`` (YAML + overrides).
 - :mod:`~stalerl.config.output`: ``config_to_yaml``, ``save_resolved_config``, ``run_dir``.
 - :mod:`~stalerl.config.helptext`: ``format_help``.
+
+The package may import only ``stalerl.core`` and (lazily, for loss names) ``recipe``; inside it ``schema`` imports
+``rules`` and never the other way round, so there is no import circle.
 """
 
 import os  # noqa: F401 - kept as ``stalerl.config.os`` (tests patch os.fsync/os.replace through it)

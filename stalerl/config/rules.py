@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 import warnings
 from typing import Any, List, Tuple
 
@@ -12,8 +11,10 @@ from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_
 from stalerl.config.checks import _format_problems, _type_hints, _unwrap_optional, _walk_sections
 from stalerl.config.errors import ConfigError, ConfigWarning
 
-if typing.TYPE_CHECKING:  # the schema imports this module (ExperimentConfig.__post_init__ validates)
-    from stalerl.config.schema import ExperimentConfig
+# The root config, stalerl.config.schema.ExperimentConfig. Not imported, not even for type checking: the schema
+# imports these rules (ExperimentConfig.__post_init__ validates), and the dependency runs one way, schema -> rules.
+# The rules read the sections by field name, so they need the values, not the class.
+ExperimentTree = Any
 
 
 def _resolve_python_interpolations(cfg: Any) -> None:
@@ -33,7 +34,7 @@ def _resolve_python_interpolations(cfg: Any) -> None:
             setattr(section, f.name, target)
 
 
-def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
+def validate(cfg: ExperimentTree) -> ExperimentTree:
     """Check every section and the cross-field rules; raise one :class:`ConfigError` listing every problem.
 
     Issues :class:`ConfigWarning` for legal but suspicious settings. Returns ``cfg`` for chaining.
@@ -50,7 +51,7 @@ def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
     return cfg
 
 
-def is_async(cfg: "ExperimentConfig") -> bool:
+def is_async(cfg: ExperimentTree) -> bool:
     """Whether the run uses separate rollout and train workers (see rollout.mode)."""
     ro = cfg.rollout
     if ro.mode != "auto":
@@ -62,7 +63,7 @@ def is_async(cfg: "ExperimentConfig") -> bool:
     return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
 
 
-def fipo_has_drift(cfg: "ExperimentConfig") -> bool:
+def fipo_has_drift(cfg: ExperimentTree) -> bool:
     """Whether a run trains on tokens from an older policy than the one being updated (FIPO needs that): a fixed
     staleness, asynchronous admission of stale samples, or several optimizer steps per batch (every mini-batch after
     the first sees a moved policy)."""
@@ -70,7 +71,7 @@ def fipo_has_drift(cfg: "ExperimentConfig") -> bool:
     return ro.fixed_staleness > 0 or ro.max_head_offpolicyness > 0 or cfg.actor.ppo_n_minibatches > 1
 
 
-def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
+def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = []
     ro, actor = cfg.rollout, cfg.actor
     if ro.fixed_staleness > 0 and ro.max_head_offpolicyness > 0:
@@ -148,7 +149,7 @@ def _cross_field_problems(cfg: ExperimentConfig) -> List[Tuple[str, str]]:
     return out
 
 
-def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[Tuple[str, str]]:
+def _vllm_problems(cfg: ExperimentTree, rb: Backend, total_gpus: int) -> List[Tuple[str, str]]:
     """rollout.vllm.* against the rest of the run (the model's length, CPU vs GPU)."""
     out: List[Tuple[str, str]] = []
     v = cfg.rollout.vllm
@@ -174,7 +175,7 @@ def _vllm_problems(cfg: ExperimentConfig, rb: Backend, total_gpus: int) -> List[
     return out
 
 
-def _cross_field_warnings(cfg: ExperimentConfig) -> List[str]:
+def _cross_field_warnings(cfg: ExperimentTree) -> List[str]:
     out = []
     g = cfg.gconfig
     if g.top_k != 0:

@@ -117,7 +117,7 @@ class RolloutConfig(_Section):
             return [("backend", f"got {self.backend!r}; stalerl's runtime has no SGLang engine. Use SGLang through "
                                 "verl: verl's SGLang rollout (actor_rollout_ref.rollout.name=sglang) with the stalerl "
                                 "verl plugin, e.g. ROLLOUT_ENGINE=sglang bash examples/verl/run_m2po_async.sh "
-                                "(recipe/m2po/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
+                                "(recipe/verl). Fix: use rollout.backend=vllm:dX or hf:dX here.")]
         if b.engine == "vllm":
             tp = self.vllm.tensor_parallel_size
             if tp is not None and tp != b.tp:
@@ -385,7 +385,8 @@ class StatsLoggerConfig(_Section):
 
     tensorboard: bool = _f(True, help="Write TensorBoard event files under the run directory (when tensorboard is "
                                       "installed).")
-    progress_bar: bool = _f(True, help="Show a progress bar.")
+    progress_bar: bool = _f(True, help="Show progress: a live bar on an interactive terminal; in a file, a pipe or CI "
+                                       "a plain line every ~10% of the steps (no carriage-return frames).")
     log_every: int = _f(10, ge=1, help="Print a summary line every N steps.")
 
 

@@ -3,6 +3,8 @@ resumable, seeded batch iterator.
 
 ``load_examples("synthetic", "train")`` -> the generator (``"synthetic:word"`` picks the task inline);
 ``load_examples("/data/gsm8k", "test")`` -> the GSM8K loader (see ``stalerl.data.gsm8k``).
+
+It may import only ``stalerl.core`` (the answer normaliser of the reward, the user-error type).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import re
 from typing import Any, Iterable, Iterator, Optional
 
 from stalerl.data.example import Example
-from stalerl.errors import UserError
-from stalerl.reward import normalize_number
+from stalerl.core.errors import UserError
+from stalerl.core.reward import normalize_number
 
 __all__ = [
     "GSM8KFormatError",

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from stalerl.model import autocast_context
+from stalerl.core.model import autocast_context
 from stalerl.rollout.batch import RolloutBatch
 
 RewardFn = Callable[[str, str], float]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from stalerl.errors import UserError
+from stalerl.core.errors import UserError
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import RewardFn, _mask_through_first_eos
 

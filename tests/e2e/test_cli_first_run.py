@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, small_overrides
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
 
@@ -126,6 +126,30 @@ def test_trial_directory_reruns_are_refused_extended_or_started_over(tmp_path):
     over = run_cli([*base, "recover.mode=disabled", "rollout.fixed_staleness=1"])
     assert over.returncode == 0, over.stderr[-3000:]
     assert list(run.glob("checkpoints.*")) and "previous checkpoints moved" in over.stdout
+
+
+@pytest.mark.slow
+def test_a_run_logged_to_a_file_reads_line_by_line(tmp_path):
+    """stdout and stderr to one file, as `... > run.log 2>&1` or CI: no carriage-return frames of a progress bar,
+    plain progress lines, and the step lines in order with them (stdout is line-buffered, not block-buffered)."""
+    log = tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "CI")}
+    env["PYTHONPATH"] = str(REPO)
+    args = ["--config", "gsm8k_m2po_cpu.yaml", *small_overrides(tmp_path, **{
+        "total_train_steps": 4, "stats_logger.progress_bar": True, "stats_logger.log_every": 2})]
+    with open(log, "w") as fh:
+        res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, stdout=fh,
+                             stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text()
+    assert res.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    lines = text.splitlines()
+    expected = ["train: 1/4 steps", "train: 2/4 steps", "step 2 |", "train: 3/4 steps", "train: 4/4 steps",
+                "step 4 |", "== run finished"]
+    where = {key: next((i for i, ln in enumerate(lines) if ln.startswith(key)), None) for key in expected}
+    assert None not in where.values(), (where, text[-3000:])
+    assert sorted(expected, key=where.get) == expected, text[-3000:]
+    assert lines[where["train: 2/4 steps"]].startswith("train: 2/4 steps (50%) | ")
 
 
 def test_slurm_without_sbatch_is_one_line_exit_2(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.config import load_config
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
 TIMING_PREFIXES = ("timing/", "throughput/")
@@ -32,7 +32,7 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_short_run_logs_every_step_with_staleness_ramp(tmp_path):
-    from stalerl.trainer import Trainer
+    from stalerl.training.trainer import Trainer
 
     cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{"rollout.fixed_staleness": 2})])
     trainer = Trainer(cfg, log=lambda *_: None)
@@ -56,7 +56,7 @@ def test_short_run_logs_every_step_with_staleness_ramp(tmp_path):
     assert saved.rollout.fixed_staleness == 2 and saved.actor.loss == "m2po"
     assert (run / "final_model" / "config.json").exists()
     # the saved final model reloads through the real loader
-    from stalerl.model import load_policy
+    from stalerl.core.model import load_policy
 
     model, tok = load_policy(str(run / "final_model"), device="cpu")
     assert tok.decode(tok("12+7=?")["input_ids"]) == "12+7=?"
@@ -142,7 +142,7 @@ def test_fipo_at_fixed_staleness_4_trains_with_active_influence_weights(tmp_path
     """actor.loss=fipo, Stale-4 FIFO: the FIPO metrics are logged every step, the influence weights sit at 1 while
     the batch is on-policy (staleness 0: the ratio is 1 up to engine noise) and move off 1 once it is stale. A longer
     warm start than the other runs, so that some groups get rewards and the loss has something to train on."""
-    from stalerl.trainer import Trainer
+    from stalerl.training.trainer import Trainer
 
     cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{
         "rollout.fixed_staleness": 4, "actor.loss": "fipo", "total_train_steps": 8, "evaluator.freq_steps": 8,

@@ -35,7 +35,7 @@ def main() -> None:
     from verl.trainer.ppo import core_algos
 
     result["import_verl_s"] = time.time() - t0
-    result["plugin_loaded_by_verl"] = "recipe.m2po.verl.plugin" in sys.modules
+    result["plugin_loaded_by_verl"] = "recipe.verl.plugin" in sys.modules
     result["registered_after_import"] = sorted(n for n in NAMES if n in core_algos.POLICY_LOSS_REGISTRY)
 
     from omegaconf import OmegaConf
@@ -43,7 +43,7 @@ def main() -> None:
 
     # what verl's worker does with actor_rollout_ref.actor.policy_loss (init_model -> omega_conf_to_dataclass)
     policy_loss = omega_conf_to_dataclass(OmegaConf.create({
-        "_target_": "recipe.m2po.verl.config.M2POPolicyLossConfig",
+        "_target_": "recipe.verl.config.M2POPolicyLossConfig",
         "loss_mode": "m2po", "m2_threshold": tau, "m2_scope": "dp_group",
     }))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CPU_CONFIG, REPO, small_overrides
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
 pytestmark = pytest.mark.slow
@@ -149,7 +149,7 @@ def test_disk_weight_sync_with_two_rollout_workers(tmp_path):
 
 
 def test_a_dying_dispatcher_fails_the_run_instead_of_hanging():
-    from stalerl.async_trainer import AsyncTrainer
+    from stalerl.training.async_trainer import AsyncTrainer
 
     t = AsyncTrainer.__new__(AsyncTrainer)  # only the failure plumbing, no workers
     import threading

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import CPU_CONFIG, REPO, small_overrides
-from stalerl.checkpoint import load_latest_checkpoint
-from stalerl.metrics_log import read_metrics
+from stalerl.training.checkpoint import load_latest_checkpoint
+from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
 pytestmark = pytest.mark.slow

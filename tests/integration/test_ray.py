@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import CPU_CONFIG, REPO, small_overrides
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 pytest.importorskip("ray", reason='Ray is not installed (pip install "stalerl[ray]")')
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -141,7 +141,7 @@ def test_render_single_job_ray(tmp_path):
                                 "scheduler.slurm.partition": "gpu,debug", "scheduler.slurm.account": "proj-1",
                                 "scheduler.slurm.extra_sbatch_args": "[--qos=high,--exclusive]"})
     argv = slurm.inner_command(cfg, tmp_path / "c.yaml")
-    assert argv[:3] == [sys.executable, "-m", "stalerl.cli"] and argv[-1] == "scheduler.type=ray"
+    assert argv[:3] == [sys.executable, "-m", "stalerl.launch.cli"] and argv[-1] == "scheduler.type=ray"
     script = slurm.render_sbatch(cfg, inner_argv=argv, job_name="exp-trial", log_dir=tmp_path / "logs")
     bash_n(script, tmp_path)
     lines = sbatch_lines(script)
@@ -273,7 +273,7 @@ def test_injection_never_executes_single_job_sandbox(tmp_path, monkeypatch):
         script_path = slurm_dir / "job.sbatch"
         script = script_path.read_text()
         bash_n(script, tmp_path)
-        direct = slurm.render_sbatch(cfg, inner_argv=[str(py), "-m", "stalerl.cli", "--config", p, f"x={p}"],
+        direct = slurm.render_sbatch(cfg, inner_argv=[str(py), "-m", "stalerl.launch.cli", "--config", p, f"x={p}"],
                                      job_name=p, log_dir=slurm_dir / "logs", inner_scheduler="local")
         for text in (script, direct):
             record.unlink(missing_ok=True)
@@ -285,11 +285,11 @@ def test_injection_never_executes_single_job_sandbox(tmp_path, monkeypatch):
             calls = recorded(record)
             assert len(calls) == 1, calls
             if text is script:
-                assert calls[0] == ["-m", "stalerl.cli", "--config", str(slurm_dir / "config.yaml"),
+                assert calls[0] == ["-m", "stalerl.launch.cli", "--config", str(slurm_dir / "config.yaml"),
                                     "scheduler.type=local"]
                 assert load_config(["--config", calls[0][3]]).experiment_name == pathsafe(p)
             else:
-                assert calls[0] == ["-m", "stalerl.cli", "--config", p, f"x={p}"]
+                assert calls[0] == ["-m", "stalerl.launch.cli", "--config", p, f"x={p}"]
         job_name_line = next(line for line in sbatch_lines(direct) if line.startswith("#SBATCH --job-name"))
         assert parse_sbatch_line(job_name_line) == [f"--job-name={p}"]
         out_line = next(line for line in sbatch_lines(script) if line.startswith("#SBATCH --output"))
@@ -327,7 +327,7 @@ def test_injection_never_executes_array_sandbox(tmp_path, monkeypatch, capsys):
                              env=_sandbox_env(tmp_path, SLURM_ARRAY_TASK_ID=str(task)))
         assert res.returncode == 0, res.stdout + res.stderr
         (call,) = recorded(record)
-        assert call[:3] == ["-m", "stalerl.cli", "scheduler.type=local"] and call[3] == "--config"
+        assert call[:3] == ["-m", "stalerl.launch.cli", "scheduler.type=local"] and call[3] == "--config"
         loaded = load_config(["--config", call[4]])
         assert loaded.train_dataset.path == cfg.train_dataset.path and loaded.trial_name == cfg.trial_name
     res = subprocess.run(["bash", str(script_path)], cwd=work, capture_output=True, text=True, timeout=60,
@@ -399,7 +399,7 @@ def test_slurm_injection_never_executes_real_submission(slurm_cluster, tmp_path,
     assert slurm.launch_slurm(cfg, None, []) == 0
     (call,) = recorded(record)
     slurm_dir = run_dir(cfg) / "slurm"
-    assert call == ["-m", "stalerl.cli", "--config", str(slurm_dir / "config.yaml"), "scheduler.type=local"]
+    assert call == ["-m", "stalerl.launch.cli", "--config", str(slurm_dir / "config.yaml"), "scheduler.type=local"]
     job = json.loads((slurm_dir / "job.json").read_text())
     assert Path(job["log"]).is_file() and Path(job["log"]).parent == slurm_dir / "logs"
     info = subprocess.run(["scontrol", "show", "job", "-o", job["job_id"]], capture_output=True, text=True).stdout
@@ -479,7 +479,7 @@ def test_slurm_trains_with_inner_ray_async(slurm_cluster, tmp_path, capsys, monk
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_slurm_sweep_2x2_job_array_via_cli(slurm_cluster, tmp_path, capsys, monkeypatch):
-    from stalerl.cli import main
+    from stalerl.launch.cli import main
 
     monkeypatch.setenv(LAUNCH_TIME_ENV, repr(time.time()))  # cli.main would set it for the whole test session
     t0 = time.monotonic()

@@ -25,11 +25,11 @@ def test_recipe_works_without_verl_and_adapter_names_the_extra():
         assert get_policy_loss_fn("m2po") is recipe.m2po.algorithm.compute_policy_loss_m2po
         assert not any(m == "verl" or m.startswith("verl.") for m in sys.modules if sys.modules[m] is not None)
         try:
-            import recipe.m2po.verl
+            import recipe.verl
         except ImportError as exc:
             print("IMPORT-ERROR:", exc)
         else:
-            raise SystemExit("recipe.m2po.verl imported without verl")
+            raise SystemExit("recipe.verl imported without verl")
     """)
     assert out.returncode == 0, out.stderr
     assert 'IMPORT-ERROR:' in out.stdout
@@ -38,7 +38,7 @@ def test_recipe_works_without_verl_and_adapter_names_the_extra():
 
 def test_console_script_module_fails_with_the_install_hint():
     out = _run("""
-        from recipe.m2po.verl.cli import main
+        from recipe.verl.cli import main
         raise SystemExit(main([]))
     """)
     assert out.returncode != 0

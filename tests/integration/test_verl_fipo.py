@@ -1,4 +1,4 @@
-"""recipe.fipo inside verl's PPO actor, through the verl plugin (recipe/m2po/verl). Needs the `verl` extra.
+"""recipe.fipo inside verl's PPO actor, through the verl plugin (recipe/verl). Needs the `verl` extra.
 
 Run: ``pytest -m verl tests/integration -k fipo``. Against the real verl package:
 
@@ -55,7 +55,7 @@ def fresh_interpreter():
             "before = sorted(m for m in sys.modules if m == 'recipe' or m.startswith('recipe.'))\n"
             "import verl\n"
             "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
-            "loaded = 'recipe.m2po.verl.plugin' in sys.modules\n"
+            "loaded = 'recipe.verl.plugin' in sys.modules\n"
             "import recipe.registry, recipe.fipo.algorithm as a\n"
             "fn = get_policy_loss_fn('fipo')\n"
             "same = fn is recipe.registry.get_policy_loss_fn('fipo')\n"
@@ -77,8 +77,8 @@ def verl_env(fresh_interpreter):
     from verl.workers.utils.losses import ppo_loss
 
     import recipe.fipo.algorithm as algorithm
-    from recipe.m2po.verl import config_dir
-    from recipe.m2po.verl.config import FIPOPolicyLossConfig
+    from recipe.verl import config_dir
+    from recipe.verl.config import FIPOPolicyLossConfig
 
     return SimpleNamespace(core_algos=core_algos, ppo_loss=ppo_loss, ActorConfig=ActorConfig,
                            omega_conf_to_dataclass=omega_conf_to_dataclass, algorithm=algorithm,

@@ -1,4 +1,4 @@
-"""recipe.m2po inside verl's PPO actor, through the verl plugin (recipe/m2po/verl). Needs the `verl` extra.
+"""recipe.m2po inside verl's PPO actor, through the verl plugin (recipe/verl). Needs the `verl` extra.
 
 Run: ``pytest -m verl tests/integration``. What is covered, against the real verl package:
 
@@ -76,7 +76,7 @@ def _config_dir_from_cli() -> str:
     """The directory printed by the console script ``stalerl-verl-config-path`` (or its module, if the script is
     not on PATH)."""
     exe = shutil.which("stalerl-verl-config-path")
-    cmd = [exe] if exe else [sys.executable, "-m", "recipe.m2po.verl.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "recipe.verl.cli"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_child_env())
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -178,8 +178,8 @@ def verl_env(launched):
 
     import recipe.m2po.algorithm as algorithm
     import recipe.registry as registry
-    from recipe.m2po.verl import config_dir
-    from recipe.m2po.verl.config import M2POPolicyLossConfig
+    from recipe.verl import config_dir
+    from recipe.verl.config import M2POPolicyLossConfig
 
     return SimpleNamespace(core_algos=core_algos, ppo_loss=ppo_loss, ActorConfig=ActorConfig, Metric=Metric,
                            AggregationType=AggregationType, rename_dict=rename_dict,
@@ -385,7 +385,7 @@ def test_console_script_prints_the_packaged_config_dir(verl_env, launched):
 def test_packaged_config_composes_through_main_ppo(verl_env, launched):
     cfg = launched.composed()
     actor = cfg.actor_rollout_ref.actor
-    assert actor.policy_loss._target_ == "recipe.m2po.verl.config.M2POPolicyLossConfig"
+    assert actor.policy_loss._target_ == "recipe.verl.config.M2POPolicyLossConfig"
     assert actor.policy_loss.loss_mode == "m2po"
     assert actor.policy_loss.m2_threshold == 0.02  # overridden on the command line, no '+'
     assert actor.policy_loss.m2_scope == "local"
@@ -481,7 +481,7 @@ def test_int_threshold_is_normalised_and_zero_is_allowed(verl_env):
 def test_plugin_that_cannot_register_fails_loudly(verl_env, caplog, monkeypatch):
     """A name clash makes the plugin log at ERROR and raise; the config class (the backstop) then refuses to import,
     so Hydra fails at config time instead of the run failing later with 'Unsupported loss mode'."""
-    import recipe.m2po.verl as adapter
+    import recipe.verl as adapter
     from hydra.errors import InstantiationException
     from omegaconf import OmegaConf
 
@@ -489,17 +489,17 @@ def test_plugin_that_cannot_register_fails_loudly(verl_env, caplog, monkeypatch)
         raise AssertionError
 
     monkeypatch.setitem(verl_env.core_algos.POLICY_LOSS_REGISTRY, "m2po", impostor)
-    for name in ("recipe.m2po.verl.plugin", "recipe.m2po.verl.config"):
+    for name in ("recipe.verl.plugin", "recipe.verl.config"):
         monkeypatch.delitem(sys.modules, name)
         monkeypatch.delattr(adapter, name.rsplit(".", 1)[1])
-    with caplog.at_level(logging.ERROR, logger="recipe.m2po.verl.plugin"):
+    with caplog.at_level(logging.ERROR, logger="recipe.verl.plugin"):
         with pytest.raises(RuntimeError, match="already registered by .*impostor"):
-            importlib.import_module("recipe.m2po.verl.plugin")
+            importlib.import_module("recipe.verl.plugin")
     assert any(r.levelno == logging.ERROR and "Unsupported loss mode: m2po" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(RuntimeError, match="already registered"):
-        importlib.import_module("recipe.m2po.verl.config")
+        importlib.import_module("recipe.verl.config")
     with pytest.raises(InstantiationException, match="M2POPolicyLossConfig"):
-        verl_env.omega_conf_to_dataclass(OmegaConf.create({"_target_": "recipe.m2po.verl.config.M2POPolicyLossConfig",
+        verl_env.omega_conf_to_dataclass(OmegaConf.create({"_target_": "recipe.verl.config.M2POPolicyLossConfig",
                                                            "loss_mode": "m2po"}))
     assert verl_env.core_algos.POLICY_LOSS_REGISTRY["m2po"] is impostor  # never silently replaced

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import CPU_CONFIG, REPO, small_overrides
-from stalerl.metrics_log import read_metrics
+from stalerl.results.metrics_log import read_metrics
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -39,8 +39,8 @@ def _perturbed_state(model, seed: int, scale: float = 0.5) -> dict[str, torch.Te
 
 @pytest.fixture(scope="module")
 def vllm_setup(tmp_path_factory):
-    from stalerl.model import PromptFormatter, load_policy_from_config
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.model import PromptFormatter, load_policy_from_config
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.vllm_engine import build_vllm_engine
 
     cfg = _engine_cfg()
@@ -57,7 +57,7 @@ ANSWERS = ["42", "12", "90"]
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_equal_the_trainers_recompute(vllm_setup, temperature):
-    from stalerl.actor import Actor
+    from stalerl.training.actor import Actor
     from stalerl.rollout.vllm_engine import sample_seeds
 
     cfg, model, tok, fmt, engine = vllm_setup
@@ -98,8 +98,8 @@ def _warm_started_states(model, tok, fmt, steps: tuple[int, int]) -> list[dict[s
     """Weights after a short and a longer supervised warm start from the same init (random weights only repeat
     ':' under greedy decoding, which would make the comparison vacuous)."""
     from stalerl.data import load_examples
-    from stalerl.model import PromptFormatter
-    from stalerl.warm_start import warm_start
+    from stalerl.core.model import PromptFormatter
+    from stalerl.training.warm_start import warm_start
 
     examples = load_examples("synthetic", "train", train_size=500)
     target = PromptFormatter(tok).sft_target
@@ -113,7 +113,7 @@ def _warm_started_states(model, tok, fmt, steps: tuple[int, int]) -> list[dict[s
 
 
 def test_greedy_after_a_weight_update_equals_the_hf_engine(vllm_setup):
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     _, model, tok, fmt, engine = vllm_setup
@@ -158,7 +158,7 @@ def _eos_model_state(model, eos_id: int) -> dict[str, torch.Tensor]:
 def test_eos_ends_and_is_kept_like_the_hf_engine(vllm_setup):
     """A model that answers eos at once: a one-token response holding eos, in both engines, and greedy and
     sampled rows stop there."""
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     _, model, tok, fmt, engine = vllm_setup

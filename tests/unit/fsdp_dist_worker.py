@@ -11,11 +11,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from stalerl.actor import Actor, DataParallel
-from stalerl.advantage import grpo_advantages
+from stalerl.training.actor import Actor, DataParallel
+from stalerl.training.advantage import grpo_advantages
 from stalerl.config import NormConfig, load_config
-from stalerl.model import PromptFormatter, load_policy
-from stalerl.reward import gsm8k_reward
+from stalerl.core.model import PromptFormatter, load_policy
+from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.engine import HFRolloutEngine
 
 QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]

@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 
-from stalerl.actor import Actor
-from stalerl.advantage import grpo_advantages
+from stalerl.training.actor import Actor
+from stalerl.training.advantage import grpo_advantages
 from stalerl.config import NormConfig, load_config
-from stalerl.model import PromptFormatter
-from stalerl.reward import gsm8k_reward
+from stalerl.core.model import PromptFormatter
+from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.engine import HFRolloutEngine
 
 QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from stalerl.advantage import grpo_advantages, shaped_rewards
+from stalerl.training.advantage import grpo_advantages, shaped_rewards
 from stalerl.config import NormConfig
 
 

@@ -1,4 +1,4 @@
-"""Atomic writes (stalerl.io) and crash-safe checkpoints (stalerl.checkpoint)."""
+"""Atomic writes (stalerl.core.io) and crash-safe checkpoints (stalerl.training.checkpoint)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from stalerl import checkpoint as ckpt
-from stalerl.checkpoint import (
+from stalerl.training import checkpoint as ckpt
+from stalerl.training.checkpoint import (
     CheckpointError,
     capture_rng_state,
     list_checkpoints,
@@ -29,7 +29,7 @@ from stalerl.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from stalerl.io import append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_text
+from stalerl.core.io import append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def _state(step: int) -> dict:
     return {"w": torch.full((4, 3), float(step)), "step": step}
 
 
-# --------------------------------------------------------------------------------------------------- stalerl.io
+# --------------------------------------------------------------------------------------------------- stalerl.core.io
 
 
 def test_atomic_write_text_replaces_content(tmp_path):
@@ -176,7 +176,7 @@ def test_corrupt_latest_falls_back_to_previous_with_warning(tmp_path, caplog):
     (path2 / "state.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="sha256"):
         load_checkpoint(path2)
-    with caplog.at_level(logging.WARNING, logger="stalerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.training.checkpoint"):
         step, state = load_latest_checkpoint(tmp_path)
     assert step == 1 and torch.equal(state["w"], _state(1)["w"])
     assert any("falling back to step_1" in r.getMessage() for r in caplog.records)
@@ -189,7 +189,7 @@ def test_truncated_state_and_missing_meta_fall_back(tmp_path, caplog):
     (p3 / "meta.json").unlink()
     p2 = tmp_path / "checkpoints" / "step_2"
     (p2 / "state.pt").write_bytes((p2 / "state.pt").read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="stalerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.training.checkpoint"):
         assert load_latest_checkpoint(tmp_path)[0] == 1
     assert any("step_3" in r.getMessage() and "step_2" in r.getMessage() for r in caplog.records)
 
@@ -197,7 +197,7 @@ def test_truncated_state_and_missing_meta_fall_back(tmp_path, caplog):
 def test_nothing_valid_returns_none_with_warning(tmp_path, caplog):
     p = save_checkpoint(tmp_path, 1, _state(1))
     (p / "state.pt").write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING, logger="stalerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.training.checkpoint"):
         assert load_latest_checkpoint(tmp_path) is None
     assert any("no valid checkpoint" in r.getMessage() for r in caplog.records)
 
@@ -264,7 +264,7 @@ def test_killed_between_the_two_renames_of_a_resave_uses_the_moved_aside_copy(tm
     save_checkpoint(tmp_path, 2, _state(2))
     root = tmp_path / "checkpoints"
     os.replace(root / "step_2", root / f"step_2.old-{_dead_pid()}")  # step_2 moved aside, new one never arrived
-    with caplog.at_level(logging.WARNING, logger="stalerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.training.checkpoint"):
         step, state = load_latest_checkpoint(tmp_path)
     assert step == 2 and torch.equal(state["w"], _state(2)["w"])
     save_checkpoint(tmp_path, 3, _state(3))
@@ -309,7 +309,7 @@ def test_rng_state_survives_a_checkpoint(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import sys, torch
-    from stalerl.checkpoint import save_checkpoint, load_latest_checkpoint
+    from stalerl.training.checkpoint import save_checkpoint, load_latest_checkpoint
 
     run_dir = sys.argv[1]
     got = load_latest_checkpoint(run_dir)

@@ -394,7 +394,7 @@ def test_fipo_cross_rule_only_for_fipo_and_defaults_load():
     a = load_config(["actor.loss=fipo", "rollout.fixed_staleness=4"]).actor
     assert (a.loss, a.fipo_decay_rate, a.fipo_clip_ratio_c, a.fipo_influence_clip_ratio,
             a.fipo_influence_clip_high_only, a.fipo_safety_threshold) == ("fipo", 32.0, 10.0, 0.2, True, 10.0)
-    from stalerl.actor import loss_config
+    from stalerl.training.actor import loss_config
     from recipe.fipo import fipo_params_from_config
 
     p = fipo_params_from_config(loss_config(load_config(["actor.loss=fipo", "actor.ppo_n_minibatches=2",

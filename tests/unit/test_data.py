@@ -17,7 +17,7 @@ from stalerl.data import (
     write_gsm8k_jsonl,
 )
 from stalerl.data.synthetic import problem_space_size
-from stalerl.reward import gsm8k_reward
+from stalerl.core.reward import gsm8k_reward
 
 GSM8K_ROWS = [
     {
@@ -75,7 +75,7 @@ def test_word_problems_are_two_step_and_never_negative():
 
 def test_chain_writes_both_intermediate_sums_and_fits_the_generation_budget():
     from stalerl.config import load_config
-    from stalerl.model import build_char_tokenizer
+    from stalerl.core.model import build_char_tokenizer
 
     train, test = synthetic_splits("chain", max_operand=99, train_size=2000, test_size=1024, seed=0)
     tok = build_char_tokenizer()

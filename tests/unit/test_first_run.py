@@ -10,11 +10,11 @@ import pytest
 
 from conftest import REPO
 from stalerl.config import load_config
-from stalerl.config_lookup import resolve_config_path
-from stalerl.errors import UserError
-from stalerl.preflight import check_before_launch, check_ray_fit, path_problems
-from stalerl.run_summary_console import format_run_summary
-from stalerl.trial_dir import check_trial_dir, config_dict, differing_keys, write_finished
+from stalerl.launch.config_lookup import resolve_config_path
+from stalerl.core.errors import UserError
+from stalerl.launch.preflight import check_before_launch, check_ray_fit, path_problems
+from stalerl.results.run_summary_console import format_run_summary
+from stalerl.training.trial_dir import check_trial_dir, config_dict, differing_keys, write_finished
 
 EXAMPLES = REPO / "examples" / "math"
 
@@ -176,7 +176,7 @@ def test_data_hint_names_real_keys():
 def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
     import json
 
-    from stalerl.run_summary_console import summary_row
+    from stalerl.results.run_summary_console import summary_row
 
     (tmp_path / "final_model").mkdir()
     (tmp_path / "tensorboard").mkdir()
@@ -202,7 +202,7 @@ def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
 
 
 def test_multi_problem_config_errors_print_on_one_line():
-    from stalerl.cli import one_line
+    from stalerl.launch.cli import one_line
 
     err = ValueError("invalid config (2 problems):\n  - a.b: bad\n  - c: worse")
     assert one_line(err) == "invalid config (2 problems): a.b: bad; c: worse"
@@ -234,8 +234,8 @@ def test_local_sweep_points_count_start_up_from_their_own_launch(monkeypatch):
     import subprocess
     import time
 
-    from stalerl import cli
-    from stalerl.launch_env import LAUNCH_TIME_ENV
+    from stalerl.launch import cli
+    from stalerl.core.launch_env import LAUNCH_TIME_ENV
 
     monkeypatch.setenv(LAUNCH_TIME_ENV, repr(time.time() - 1000.0))  # the sweep started long ago
     seen = []

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stalerl import fsdp
+from stalerl.training import fsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

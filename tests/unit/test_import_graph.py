@@ -1,15 +1,17 @@
-"""The import graph of every ``stalerl`` and ``recipe`` module has no cycle.
+"""The import graph of every ``stalerl`` and ``recipe`` module: no cycle, and the rooms of the layout import each
+other only downwards.
 
-The graph is built from the source (AST), without importing anything. An edge ``A -> B`` is a module-level import
-in ``A`` of the project module ``B``: statements in the module body, including those nested in ``if``/``try``/
-``with`` blocks and class bodies (they all run when ``A`` is imported), but not imports inside functions (lazy
-imports that run on call) and not the ``if TYPE_CHECKING:`` branch (never runs). ``from P import x`` is an edge to
-``P.x`` when that is a module, else to ``P``. Importing ``P.sub`` also runs the package ``P/__init__.py`` first, but
-that implicit edge to a parent package is not counted (Python resolves it through the partly initialised package).
+The graph is built from the source (AST), without importing anything. An edge ``A -> B`` is an import in ``A`` of the
+project module ``B``. Module-level edges are the statements in the module body, including those nested in ``if``/
+``try``/``with`` blocks, class bodies and the ``if TYPE_CHECKING:`` branch (a type-checking import is still a
+dependency between the two modules). Lazy edges are imports inside functions (they run on call). ``from P import x``
+is an edge to ``P.x`` when that is a module, else to ``P``. Importing ``P.sub`` also runs the package
+``P/__init__.py`` first, but that implicit edge to a parent package is not counted (Python resolves it through the
+partly initialised package); likewise a package's lazy imports of its own submodules (a facade such as
+``recipe.verl.register``) are not counted as edges back into the package.
 
-The module-level graph must be acyclic. Lazy imports are allowed to point back up, except along the two circles this
-layout removed on purpose (``cli`` <-> ``launcher`` and config <-> the Slurm scheduler), which are checked at every
-level.
+Both graphs must be acyclic. The rooms (``stalerl.<group>``, see ``stalerl/__init__.py``) may import only the rooms
+listed in :data:`ALLOWED`, lazily or not; ``recipe`` never imports ``stalerl``.
 """
 
 from __future__ import annotations
@@ -37,11 +39,6 @@ def project_modules() -> Dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(body: List[ast.stmt], lazy: bool) -> Iterator[Tuple[ast.stmt, bool]]:
     """(import statement, whether it is lazy) for every import in ``body``; lazy = inside a function."""
     for node in body:
@@ -49,8 +46,6 @@ def _imports(body: List[ast.stmt], lazy: bool) -> Iterator[Tuple[ast.stmt, bool]
             yield node, lazy
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield from _imports(node.body, True)
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            yield from _imports(node.orelse, lazy)
         else:
             for name in ("body", "orelse", "finalbody", "handlers"):
                 children = getattr(node, name, None)
@@ -89,8 +84,9 @@ def import_edges(modules: Dict[str, Path], *, include_lazy: bool) -> Dict[str, S
                     targets.append(sub if sub in modules else base)
             for t in targets:
                 dep = _target(t, modules)
-                if dep is not None and dep != mod:
-                    graph[mod].add(dep)
+                if dep is None or dep == mod or (lazy and is_pkg and dep.startswith(mod + ".")):
+                    continue  # outside the project, itself, or a package's facade over its own submodules
+                graph[mod].add(dep)
     return graph
 
 
@@ -121,26 +117,119 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
     return None
 
 
-def test_module_level_import_graph_has_no_cycle():
+#: room -> the rooms it may import (besides itself). A room is ``stalerl.<group>`` (``stalerl`` alone for the
+#: package and its top-level modules) or ``recipe``. Lower rooms first; this is the layout of ``stalerl/__init__.py``.
+ALLOWED = {
+    "recipe": set(),
+    "stalerl.core": set(),
+    "stalerl.config": {"stalerl.core", "recipe"},
+    "stalerl.data": {"stalerl.core"},
+    "stalerl.rollout": {"stalerl.core"},
+    "stalerl.results": {"stalerl.core", "stalerl.config"},
+    "stalerl.schedulers": {"stalerl.core", "stalerl.config"},
+    "stalerl.training": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
+                         "recipe"},
+    "stalerl.launch": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
+                       "stalerl.schedulers", "stalerl.training", "recipe"},
+    "stalerl": {"stalerl.launch"},  # `stalerl.cli` forwards to stalerl.launch.cli
+}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "recipe":
+        return "recipe"
+    sub = f"stalerl.{parts[1]}" if len(parts) > 1 else "stalerl"
+    return sub if sub in ALLOWED else "stalerl"  # a top-level module (`stalerl.cli`, stalerl._compat)
+
+
+def room_violations(graph: Dict[str, Set[str]]) -> List[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            a, b = room(mod), room(dep)
+            if a != b and b not in ALLOWED[a]:
+                out.append(f"{mod} -> {dep} ({a} may import only {sorted(ALLOWED[a]) or 'nothing of the project'})")
+    return out
+
+
+def test_import_graph_has_no_cycle_at_module_level_nor_with_lazy_imports():
     modules = project_modules()
     graph = import_edges(modules, include_lazy=False)
     # the graph is really built: known edges of the layout are present
-    assert "stalerl.launcher" in graph["stalerl.cli"]
+    assert "stalerl.launch.launcher" in graph["stalerl.launch.cli"]
     assert "stalerl.config.slurm" in graph["stalerl.schedulers.slurm.render"]
     assert "stalerl.config.rules" in graph["stalerl.config.schema"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle among module-level imports: " + " -> ".join(cycle)
+    lazy = import_edges(modules, include_lazy=True)
+    assert "stalerl.schedulers.slurm" in lazy["stalerl.launch.cli"]  # lazy edges are seen
+    cycle = find_cycle(lazy)
+    assert cycle is None, "import cycle (lazy imports included): " + " -> ".join(cycle)
+
+
+def test_type_checking_imports_are_edges():
+    code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import X\n"
+    nodes = [n for n, lazy in _imports(ast.parse(code).body, False) if not lazy]
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "b" for n in nodes)
+
+
+def test_config_schema_and_rules_depend_one_way():
+    graph = import_edges(project_modules(), include_lazy=True)
+    assert "stalerl.config.rules" in graph["stalerl.config.schema"]
+    assert "stalerl.config.schema" not in graph["stalerl.config.rules"], "rules must not import the schema"
+
+
+def test_rooms_import_only_downwards():
+    modules = project_modules()
+    graph = import_edges(modules, include_lazy=True)
+    assert {room(m) for m in modules} == set(ALLOWED), "a room without a rule in ALLOWED, or a rule without a room"
+    bad = room_violations(graph)
+    assert not bad, "imports against the layout's directions:\n" + "\n".join(bad)
+
+
+def test_room_check_catches_an_upward_import():
+    graph = {"stalerl.results.report": {"stalerl.training.trainer"}, "stalerl.training.trainer": set(),
+             "recipe.verl.plugin": {"stalerl.core.model"}, "stalerl.core.model": set()}
+    bad = room_violations(graph)
+    assert len(bad) == 2
+    assert bad[0].startswith("recipe.verl.plugin -> stalerl.core.model (recipe may import only nothing")
+    assert bad[1].startswith("stalerl.results.report -> stalerl.training.trainer (stalerl.results may import only")
 
 
 def test_removed_circles_stay_removed_also_for_lazy_imports():
-    modules = project_modules()
-    graph = import_edges(modules, include_lazy=True)
-    assert "stalerl.schedulers.slurm" in graph["stalerl.cli"]  # lazy edges are seen
-    assert "stalerl.cli" not in graph["stalerl.launcher"], "stalerl.launcher imports stalerl.cli (cli -> launcher only)"
+    graph = import_edges(project_modules(), include_lazy=True)
+    assert "stalerl.launch.cli" not in graph["stalerl.launch.launcher"], "launcher imports cli (cli -> launcher only)"
     for mod, deps in graph.items():
         if mod == "stalerl.config" or mod.startswith("stalerl.config."):
             bad = sorted(d for d in deps if d.startswith("stalerl.schedulers"))
             assert not bad, f"{mod} imports the scheduler {bad}; Slurm value checks live in stalerl.config.slurm"
+
+
+def test_top_level_reads_as_the_architecture():
+    top = REPO / "stalerl"
+    modules = sorted(p.name for p in top.glob("*.py"))
+    # the package, the public command module (`python -m stalerl.cli`) and the old console-script names
+    assert modules == ["__init__.py", "_compat.py", "cli.py"], f"new top-level module(s): put them in a room {modules}"
+    # (a folder left holding only __pycache__ after a move is not a room)
+    rooms = sorted(p.name for p in top.iterdir() if p.is_dir() and any(p.rglob("*.py")))
+    assert rooms == sorted(r.split(".")[1] for r in ALLOWED if r.startswith("stalerl."))
+    for r in rooms:  # every room says what lives there and what it may import
+        doc = ast.get_docstring(ast.parse((top / r / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and "import" in doc, f"stalerl/{r}/__init__.py needs a docstring saying what it may import"
+
+
+def test_old_module_paths_are_only_compat_entry_points():
+    """The project's own code imports the new paths; the old ones exist only for what outside code can reach."""
+    modules = project_modules()
+    graph = import_edges(modules, include_lazy=True)
+    # the compat modules say so in their header (`stalerl.cli`, stalerl._compat, the `recipe.m2po.verl` shims)
+    compat = {m for m, p in modules.items() if "(a compat module:" in p.read_text(encoding="utf-8")}
+    assert len(compat) >= 6
+    for mod, deps in graph.items():
+        if mod in compat or mod == "stalerl":
+            continue
+        assert not deps & compat, f"{mod} imports the compat module(s) {sorted(deps & compat)}; use the new path"
 
 
 def test_cycle_finder_reports_the_cycle():

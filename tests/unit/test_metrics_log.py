@@ -1,4 +1,4 @@
-"""stalerl.metrics_log: JSONL metrics, resume truncation, TensorBoard mirror, progress/summary helpers."""
+"""stalerl.results.metrics_log: JSONL metrics, resume truncation, TensorBoard mirror, progress/summary helpers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from stalerl.metrics_log import MetricsLogger, Progress, format_summary, lookup_metric, read_metrics
+from stalerl.results.metrics_log import (MetricsLogger, Progress, format_summary, is_interactive, lookup_metric,
+                                         read_metrics)
 
 
 def _metrics(step: int) -> dict:
@@ -84,7 +85,7 @@ def test_resume_without_existing_file_and_fresh_start_appends(tmp_path):
 
 def test_read_metrics_skips_malformed_lines_and_reports_missing_file(tmp_path, caplog):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1}\n\nnot json\n{"no_step": 1}\n{"step": 2, "a": 3}\n')
-    with caplog.at_level(logging.WARNING, logger="stalerl.metrics_log"):
+    with caplog.at_level(logging.WARNING, logger="stalerl.results.metrics_log"):
         recs = read_metrics(tmp_path)
     assert [r["step"] for r in recs] == [0, 2]
     assert len(caplog.records) == 2
@@ -128,7 +129,7 @@ def test_lookup_metric_prefers_exact_then_unique_suffix():
 def test_progress_bar_shows_key_numbers_and_tracks_absolute_steps():
     pytest.importorskip("tqdm")
     buf = io.StringIO()
-    bar = Progress(100, True, initial=10, file=buf)
+    bar = Progress(100, True, initial=10, file=buf, interactive=True)
     assert bar.enabled
     bar.update(12, {"reward": 0.5, "actor/grad_norm": torch.tensor(2.25), "staleness": 3, "m2po/masked_fraction": 0.01})
     assert bar._bar.n == 12
@@ -145,3 +146,58 @@ def test_progress_bar_shows_key_numbers_and_tracks_absolute_steps():
     assert not off.enabled
     off.update(5, {"reward": 1.0})  # no-op, no error
     off.close()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("TERM", raising=False)
+    assert is_interactive(_Terminal()) and not is_interactive(io.StringIO())
+    tty = _Terminal()
+    with Progress(50, True, file=tty) as bar:
+        assert bar.interactive
+        for step in range(1, 51):
+            bar.update(step, {"reward": 0.5})
+    assert tty.getvalue().count("\rtrain:") >= 2 and "50/50" in tty.getvalue()  # the live bar redraws in place
+    monkeypatch.setenv("CI", "true")  # a CI log is read afterwards, line by line, even through a pseudo-terminal
+    assert not is_interactive(_Terminal()) and not Progress(50, True, file=_Terminal()).interactive
+    monkeypatch.setenv("CI", "false")
+    monkeypatch.setenv("TERM", "dumb")
+    assert not is_interactive(_Terminal())
+
+
+def test_plain_progress_prints_a_line_every_tenth_and_at_the_end_without_carriage_returns():
+    buf = io.StringIO()
+    with Progress(95, True, file=buf) as bar:  # a StringIO is no terminal: plain lines
+        assert bar.enabled and not bar.interactive
+        for step in range(1, 96):
+            bar.update(step, {"reward": step / 100, "eval/accuracy": 0.5} if step % 20 == 0 else {"reward": step / 100})
+    out = buf.getvalue()
+    assert "\r" not in out and out.endswith("\n")
+    lines = out.splitlines()
+    # every ceil(95 / 10) = 10 steps, and the last step, each exactly once
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [10, 20, 30, 40, 50, 60, 70, 80, 90, 95]
+    assert lines[0].startswith("train: 10/95 steps (11%) | ") and "elapsed, ~" in lines[0] and "reward=0.1" in lines[0]
+    assert "acc=0.5" in lines[2]  # sticky: shown since step 20's eval, although step 30 had no eval metrics
+    assert lines[-1].startswith("train: 95/95 steps (100%) | ") and "left" not in lines[-1]
+
+
+def test_plain_progress_counts_from_the_resumed_step_and_matches_a_literal_schedule():
+    for total, initial in [(300, 0), (300, 137), (7, 0), (1, 0), (25, 24), (1000, 999)]:
+        buf = io.StringIO()
+        bar = Progress(total, True, initial=initial, file=buf, interactive=False)
+        for step in range(initial + 1, total + 1):
+            bar.update(step)
+        bar.close()
+        printed = [int(line.split()[1].split("/")[0]) for line in buf.getvalue().splitlines()]
+        every = -(-total // 10)  # literal reference: the multiples of ceil(total / 10) after `initial`, plus the end
+        expected = sorted({s for s in range(initial + 1, total + 1) if s % every == 0} | {total})
+        assert printed == expected, (total, initial)
+    quiet = io.StringIO()
+    Progress(100, enabled=False, file=quiet).update(100, {"reward": 1.0})
+    assert quiet.getvalue() == ""

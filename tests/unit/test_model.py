@@ -1,4 +1,4 @@
-"""stalerl.model: char tokenizer, tiny models, load_policy, device resolution, prompt format (CPU, no downloads)."""
+"""stalerl.core.model: char tokenizer, tiny models, load_policy, device resolution, prompt format (CPU, no downloads)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stalerl.data import Example
-from stalerl.model import (
+from stalerl.core.model import (
     CHAR_VOCAB,
     PolicyLoadError,
     PromptFormatter,
@@ -259,7 +259,7 @@ def test_prompt_formatter_chat_template(tmp_path):
     ex = Example("q", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72")
     target = fmt.sft_target(ex)
     assert target == "Natalia sold 48/2 = 24 clips.\nThe final answer is \\boxed{72}."
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.reward import gsm8k_reward
 
     assert gsm8k_reward(target, ex.answer) == 1.0
     # the template survives save/reload

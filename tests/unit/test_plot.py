@@ -1,4 +1,4 @@
-"""stalerl.plot: the stalerl-plot CLI and plot_runs."""
+"""stalerl.results.plot: the stalerl-plot CLI and plot_runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stalerl.plot import PlotError, main, moving_average, plot_runs, resolve_metric_key
+from stalerl.results.plot import PlotError, main, moving_average, plot_runs, resolve_metric_key
 
 pytest.importorskip("matplotlib")
 
@@ -106,7 +106,7 @@ def test_python_dash_m_entry_point(tmp_path):
     a = _make_run(tmp_path / "run")
     out = tmp_path / "m.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "stalerl.plot", str(a), "--out", str(out)],
+        [sys.executable, "-m", "stalerl.results.plot", str(a), "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

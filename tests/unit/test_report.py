@@ -1,4 +1,4 @@
-"""stalerl.report / report_stats / run_summary / study: the multi-seed study pipeline on synthetic run directories."""
+"""stalerl.results.report / report_stats / run_summary / study: the multi-seed study pipeline on synthetic run directories."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.config import load_config
-from stalerl.report import build, group, load_summaries, main as report_main, replace_block
-from stalerl.report_stats import format_estimate, mean_interval, t_quantile_975
-from stalerl.run_summary import build_summary, downsample, setting_of, summarize_metrics, write_summary
+from stalerl.results.report import build, group, load_summaries, main as report_main, replace_block
+from stalerl.results.report_stats import format_estimate, mean_interval, t_quantile_975
+from stalerl.results.run_summary import build_summary, downsample, setting_of, summarize_metrics, write_summary
 
 
 # ------------------------------------------------------------------------------------------------ intervals
@@ -204,7 +204,7 @@ def test_committed_results_regenerate_the_doc_exactly(study_json):
 
 # ------------------------------------------------------------------------------------------------ run summary hook
 def test_failed_run_still_writes_a_failed_summary(tmp_path, monkeypatch):
-    import stalerl.launcher as launcher
+    import stalerl.launch.launcher as launcher
 
     cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path)])
 
@@ -224,7 +224,7 @@ def test_failed_run_still_writes_a_failed_summary(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ study specs
 def test_study_specs_expand_and_validate(tmp_path):
-    from stalerl.study import StudyError, check_settings, expand, load_spec
+    from stalerl.launch.study import StudyError, check_settings, expand, load_spec
 
     spec = load_spec(REPO / "examples" / "math" / "study" / "staleness.yaml")
     runs = expand(spec)
@@ -243,7 +243,7 @@ def test_study_specs_expand_and_validate(tmp_path):
     with pytest.raises(StudyError, match="unknown key\\(s\\) seedz"):
         load_spec(bad)
     spec = load_spec(REPO / "examples" / "math" / "study" / "behavior_logp.yaml")
-    from stalerl.study import _method_labels
+    from stalerl.launch.study import _method_labels
 
     assert _method_labels(spec)[:2] == ["loss=m2po, behavior_logp=rollout", "loss=m2po, behavior_logp=recompute"]
 
@@ -252,8 +252,8 @@ def test_study_specs_expand_and_validate(tmp_path):
 @pytest.mark.parametrize("stale", [0, 2])
 def test_generated_and_consumed_rewards_are_logged_apart(tmp_path, stale):
     """The batch consumed at step t+S is the one generated at step t (after the FIFO's first fill)."""
-    from stalerl.metrics_log import read_metrics
-    from stalerl.trainer import Trainer
+    from stalerl.results.metrics_log import read_metrics
+    from stalerl.training.trainer import Trainer
 
     cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, total_train_steps=7,
                                                                       **{"rollout.fixed_staleness": stale})])
@@ -270,10 +270,10 @@ def test_generated_and_consumed_rewards_are_logged_apart(tmp_path, stale):
 def test_study_runner_on_a_tiny_grid(tmp_path):
     """Warm start once per seed, runs from the cached model, summaries collected, doc block written; the cached
     warm start gives exactly the run an in-run warm start gives."""
-    from stalerl.launcher import launch
-    from stalerl.metrics_log import read_metrics
+    from stalerl.launch.launcher import launch
+    from stalerl.results.metrics_log import read_metrics
     from stalerl.config import run_dir
-    from stalerl.study import load_spec, run_study
+    from stalerl.launch.study import load_spec, run_study
 
     ovr = small_overrides(tmp_path, total_train_steps=4)
     spec_file = tmp_path / "tiny.yaml"
@@ -314,7 +314,7 @@ def _fake(loss: str, setting: str, seed: int, final: float, best: float, frac: f
 
 
 def test_staleness_claims_verdicts():
-    from stalerl.report_claims import render_claims
+    from stalerl.results.report_claims import render_claims
 
     rows = []
     for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
@@ -347,7 +347,7 @@ def test_staleness_claims_verdicts():
 
 
 def test_async_claims_verdicts():
-    from stalerl.report_claims import render_claims
+    from stalerl.results.report_claims import render_claims
 
     rows = []
     for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
@@ -371,7 +371,7 @@ def test_async_claims_verdicts():
 
 
 def test_a_shared_warm_start_is_listed_once():
-    from stalerl.report import render_markdown
+    from stalerl.results.report import render_markdown
 
     def run(loss, setting, seed, acc):
         return dict(_fake(loss, setting, seed, 0.5, 0.5), warm_start={
@@ -391,7 +391,7 @@ def test_a_shared_warm_start_is_listed_once():
 def test_claims_are_paired_by_seed():
     """Seed-to-seed spread that both sides share does not hide a consistent per-seed difference, and only seeds
     present on both sides are paired."""
-    from stalerl.report_claims import paired_difference, render_claims
+    from stalerl.results.report_claims import paired_difference, render_claims
 
     rows = []
     for seed, base in ((1, 0.2), (2, 0.5), (3, 0.8), (4, 0.35)):  # the warm start's spread: unpaired intervals overlap
@@ -418,7 +418,7 @@ def test_claims_are_paired_by_seed():
                          ids=lambda p: p.stem)
 def test_every_shipped_study_spec_validates(spec_path):
     """Every run of every shipped spec loads (a loss added to `losses` that does not exist fails here)."""
-    from stalerl.study import check_settings, expand, load_spec
+    from stalerl.launch.study import check_settings, expand, load_spec
 
     spec = load_spec(spec_path)
     assert spec["results"] == f"docs/algorithms/results/{spec['name']}"
@@ -444,7 +444,7 @@ def test_readme_quotes_the_committed_default_study():
 
 
 def test_a_loss_has_one_colour_in_every_figure():
-    from stalerl.report import method_colors
+    from stalerl.results.report import method_colors
 
     async_colors = method_colors(["vanilla", "m2po", "fipo"])
     staleness_colors = method_colors(["m2po", "vanilla", "no_trust_region", "fipo"])

@@ -1,4 +1,4 @@
-"""Pre-registered claims (stalerl.report_prereg) and the tests behind them (stalerl.report_stats): each fast function
+"""Pre-registered claims (stalerl.results.report_prereg) and the tests behind them (stalerl.results.report_stats): each fast function
 against a literal reference, and simulated null studies whose false "holds" rate must stay at or below alpha."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from stalerl.report import group, render_markdown
-from stalerl.report_metrics import CollapseRule, auc, collapsed, eval_curve, run_metric
-from stalerl.report_prereg import ClaimSpecError, evaluate, parse_claims
-from stalerl.report_stats import (fisher_greater, holm_adjust, paired_test, regularized_beta, t_quantile,
+from stalerl.results.report import group, render_markdown
+from stalerl.results.report_metrics import CollapseRule, auc, collapsed, eval_curve, run_metric
+from stalerl.results.report_prereg import ClaimSpecError, evaluate, parse_claims
+from stalerl.results.report_stats import (fisher_greater, holm_adjust, paired_test, regularized_beta, t_quantile,
                                   t_quantile_975, t_sf)
 
 
@@ -303,7 +303,7 @@ def test_block_has_paired_table_claims_and_diagnostics_and_old_summaries_load():
 
 # ------------------------------------------------------------------------------------------------ summaries
 def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
-    from stalerl.run_summary import DIAGNOSTIC_METRICS, downsample, summarize_metrics
+    from stalerl.results.run_summary import DIAGNOSTIC_METRICS, downsample, summarize_metrics
 
     rows = [{"step": 0, "eval/accuracy": 0.1}]
     for s in range(1, 241):
@@ -326,7 +326,7 @@ def test_committed_schema_1_summaries_load_into_the_new_report():
     import yaml
 
     from conftest import REPO
-    from stalerl.report import load_summaries
+    from stalerl.results.report import load_summaries
 
     results = REPO / "docs" / "algorithms" / "results" / "staleness"
     summaries = load_summaries([results])

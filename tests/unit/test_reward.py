@@ -1,11 +1,11 @@
-"""stalerl.reward: answer extraction, numeric comparison, the GSM8K reward."""
+"""stalerl.core.reward: answer extraction, numeric comparison, the GSM8K reward."""
 
 import time
 
 import pytest
 
-from stalerl import reward as reward_mod
-from stalerl.reward import extract_answer, extract_reference, gsm8k_reward, normalize_number, numbers_equal
+from stalerl.core import reward as reward_mod
+from stalerl.core.reward import extract_answer, extract_reference, gsm8k_reward, normalize_number, numbers_equal
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from stalerl.actor import Actor
+from stalerl.training.actor import Actor
 from stalerl.config import load_config
-from stalerl.model import PromptFormatter
-from stalerl.reward import gsm8k_reward
+from stalerl.core.model import PromptFormatter
+from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.batch import concat_batches
 from stalerl.rollout.engine import HFRolloutEngine, _mask_through_first_eos
 
@@ -79,7 +79,7 @@ def test_select_and_concat_roundtrip(tiny_policy):
 
 def test_checkpoint_generation_config_does_not_distort_behaviour_logp(tiny_policy, tmp_path):
     """A real checkpoint's generation_config.json (repetition_penalty, top_k, ...) must not reach the sampler."""
-    from stalerl.model import load_policy
+    from stalerl.core.model import load_policy
 
     model, tok = tiny_policy
     model.generation_config.repetition_penalty = 1.5

@@ -1,5 +1,5 @@
 """Study specs with pre-registered claims, restricted grids (setting_losses), optimizer variants, and the pilot's
-decision rule (stalerl.study, stalerl.pilot)."""
+decision rule (stalerl.study, stalerl.results.pilot)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from conftest import REPO
-from stalerl.pilot import check_pilot
-from stalerl.report import group, render_markdown
-from stalerl.report_metrics import CollapseRule
-from stalerl.study import StudyError, _grid, check_settings, expand, load_spec
+from stalerl.results.pilot import check_pilot
+from stalerl.results.report import group, render_markdown
+from stalerl.results.report_metrics import CollapseRule
+from stalerl.launch.study import StudyError, _grid, check_settings, expand, load_spec
 
 STUDY = REPO / "examples" / "math" / "study"
 
@@ -63,7 +63,7 @@ def _run(loss: str, method: str, setting: str, seed: int, curve, status: str = "
 
 
 def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
-    from stalerl.pilot import decide
+    from stalerl.results.pilot import decide
 
     steps = range(0, 301, 25)
     rise = [(s, 0.2 + s / 1000) for s in steps]

@@ -6,8 +6,8 @@ import torch
 from conftest import CPU_CONFIG, small_overrides
 from stalerl.config import load_config
 from stalerl.rollout.batch import RolloutBatch
-from stalerl.staleness import StaleFIFO, staleness_stats
-from stalerl.trainer import Trainer
+from stalerl.training.staleness import StaleFIFO, staleness_stats
+from stalerl.training.trainer import Trainer
 
 
 def _trainer(tmp_path, **extra):

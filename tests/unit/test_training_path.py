@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from stalerl.actor import Actor, combine_micro_batch_metrics
-from stalerl.advantage import grpo_advantages
+from stalerl.training.actor import Actor, combine_micro_batch_metrics
+from stalerl.training.advantage import grpo_advantages
 from stalerl.config import ConfigError, NormConfig, load_config
-from stalerl.model import PromptFormatter, load_policy, load_policy_from_config
-from stalerl.reward import gsm8k_reward
+from stalerl.core.model import PromptFormatter, load_policy, load_policy_from_config
+from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.engine import HFRolloutEngine
 
 QUESTIONS = ["12+7=?", "3+45=?", "99+1=?", "8+8=?"]
@@ -203,7 +203,7 @@ def test_dropout_off_micro_batch_split_does_not_change_the_update(dropout_policy
 @pytest.mark.parametrize("chunk", [1 << 24, 7, 1])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_token_logprobs_equal_the_full_log_softmax(monkeypatch, chunk, temperature):
-    import stalerl.actor as actor_mod
+    import stalerl.training.actor as actor_mod
 
     monkeypatch.setattr(actor_mod, "_LOGP_CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(0)
@@ -264,7 +264,7 @@ def test_ratio_max_is_the_largest_importance_ratio_for_every_loss(tiny_policy):
 
 
 def test_rollout_entropy_is_the_mean_surprisal_of_the_sampled_tokens(tiny_policy):
-    from stalerl.trainer import Trainer
+    from stalerl.training.trainer import Trainer
 
     model, tok = tiny_policy
     batch, _ = _batch(model, tok)

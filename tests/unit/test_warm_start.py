@@ -13,8 +13,8 @@ import torch
 from conftest import CPU_CONFIG, small_overrides
 from stalerl.config import ConfigError, load_config
 from stalerl.data.synthetic import synthetic_splits
-from stalerl.model import PromptFormatter
-from stalerl.warm_start import sft_batch, sft_loss, warm_start
+from stalerl.core.model import PromptFormatter
+from stalerl.training.warm_start import sft_batch, sft_loss, warm_start
 
 
 def _reference_fixed_steps(model, tok, fmt, target, examples, *, steps, batch_size, lr, seed):
@@ -32,7 +32,7 @@ def _reference_fixed_steps(model, tok, fmt, target, examples, *, steps, batch_si
 
 
 def _setup(seed: int = 0):
-    from stalerl.model import load_policy
+    from stalerl.core.model import load_policy
 
     torch.manual_seed(seed)
     model, tok = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=seed)
@@ -94,7 +94,7 @@ def test_the_check_does_not_change_the_supervised_steps():
     generates; the SFT stream and the train mode must come back unchanged)."""
     model_a, tok, f, ex = _setup()
     model_b, _, _, _ = _setup()
-    from stalerl.reward import gsm8k_reward
+    from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     engine = HFRolloutEngine(model_b, tok, f.format, gsm8k_reward, device=torch.device("cpu"))
@@ -158,9 +158,9 @@ def test_trainer_holds_out_training_problems_and_reports_a_missed_target(tmp_pat
     """Run through the trainer: held-out problems never reach the supervised data, the step-0 metrics and the run
     summary carry the check, and a missed target is a warning in the log and in the summary."""
     from stalerl.config import run_dir
-    from stalerl.metrics_log import read_metrics
-    from stalerl.run_summary import build_summary
-    from stalerl.trainer import Trainer
+    from stalerl.results.metrics_log import read_metrics
+    from stalerl.results.run_summary import build_summary
+    from stalerl.training.trainer import Trainer
 
     cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{
         "warm_start.target_accuracy": 1.0, "warm_start.steps": 4, "warm_start.eval_interval": 2,
@@ -168,7 +168,7 @@ def test_trainer_holds_out_training_problems_and_reports_a_missed_target(tmp_pat
     lines: list[str] = []
     trainer = Trainer(cfg, log=lines.append)
     seen: list[list] = []
-    import stalerl.trainer as trainer_mod
+    import stalerl.training.trainer as trainer_mod
 
     real = trainer_mod.warm_start
 
@@ -197,7 +197,7 @@ def test_trainer_holds_out_training_problems_and_reports_a_missed_target(tmp_pat
 def test_cached_warm_start_result_reaches_the_summary(tmp_path):
     """A study's cached warm start: the RL run has warm_start.steps=0; its summary takes the steps done and the
     check from the cache's marker, warning included."""
-    from stalerl.run_summary import WARM_START_MARKER, build_summary
+    from stalerl.results.run_summary import WARM_START_MARKER, build_summary
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -219,7 +219,7 @@ def test_cached_warm_start_result_reaches_the_summary(tmp_path):
 
 
 def test_study_cache_keys_on_the_adaptive_fields(tmp_path):
-    from stalerl.study import warm_start_dir
+    from stalerl.launch.study import warm_start_dir
 
     base = ["--config", str(CPU_CONFIG), f"cluster.fileroot={tmp_path}"]
     dirs = {str(warm_start_dir(load_config(base + list(o)))) for o in (
@@ -230,7 +230,7 @@ def test_study_cache_keys_on_the_adaptive_fields(tmp_path):
 
 
 def test_report_shows_the_adaptive_warm_start_and_flags_a_missed_target():
-    from stalerl.report import group, render_markdown
+    from stalerl.results.report import group, render_markdown
 
     def summary(seed: int, steps: float, acc: float, reached: float) -> dict:
         return {"status": "finished", "seed": seed, "loss": "m2po", "setting": "fixed_staleness 4",

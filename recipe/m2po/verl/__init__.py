@@ -1,85 +1,25 @@
-"""verl adapter for the M2PO policy loss (and the stale-rollout baselines).
-
-Installed as a verl plugin (entry point group ``verl.plugins``), so ``import verl`` in any process -- the driver,
-the TaskRunner, every Ray worker -- registers these losses in verl's ``POLICY_LOSS_REGISTRY``:
-
-=================== ==========================================================
-verl ``loss_mode``  function (the same object as in ``recipe.registry``)
-=================== ==========================================================
-``m2po``            ``recipe.m2po.algorithm.compute_policy_loss_m2po``
-``stalerl_vanilla`` ``recipe.baselines.algorithm.compute_policy_loss_vanilla``
-``no_trust_region`` ``recipe.baselines.algorithm.compute_policy_loss_no_trust_region``
-``fipo``            ``recipe.fipo.algorithm.compute_policy_loss_fipo``
-=================== ==========================================================
-
-Modules (verl is imported lazily, only by these):
-
-- :mod:`recipe.m2po.verl.plugin` -- registration (the entry point); fails loudly.
-- :mod:`recipe.m2po.verl.config` -- :class:`M2POPolicyLossConfig`, a ``PolicyLossConfig`` subclass with
-  ``m2_threshold`` and ``m2_scope``, and :class:`FIPOPolicyLossConfig` with the ``fipo_*`` keys; selected with
-  ``policy_loss._target_``; importing it registers the losses too.
-- :mod:`recipe.m2po.verl.cli` -- ``stalerl-verl-config-path``: the directory of the packaged Hydra config
-  ``m2po_trainer.yaml`` (and ``fipo_trainer.yaml``), for ``python -m verl.trainer.main_ppo --config-path
-  "$(stalerl-verl-config-path)" --config-name m2po_trainer ...``.
-
-This package itself imports no verl module, so ``stalerl-verl-config-path`` is fast.
+"""Old home of the verl adapter, kept so that what names it keeps working: verl configs with
+``policy_loss._target_: recipe.m2po.verl.config.M2POPolicyLossConfig``, environments installed before the move
+(their ``verl.plugins`` entry point is ``recipe.m2po.verl.plugin``, their ``stalerl-verl-config-path`` script calls
+``recipe.m2po.verl.cli``). Everything here is the same object as in :mod:`recipe.verl`, the adapter's home.
 """
+# restructure: keep-old-paths (a compat module: /work/wt-tools/restructure.py neither moves nor rewrites it)
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-INSTALL_HINT = 'pip install "stalerl[verl]"'
-
-
-def _verl_installed() -> bool:
-    try:
-        return importlib.util.find_spec("verl") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-if not _verl_installed():
-    raise ImportError(
-        f"recipe.m2po.verl is the verl adapter of M2PO and needs verl (>=0.9,<0.11), which is not installed. "
-        f"Install it with: {INSTALL_HINT}  (the M2PO loss itself, recipe.m2po, needs only torch)",
-        name="verl",
-    )
-
-#: verl ``loss_mode`` name -> name in ``recipe.registry``. verl already owns ``vanilla``, hence ``stalerl_vanilla``.
-VERL_LOSS_NAMES = {
-    "m2po": "m2po",
-    "stalerl_vanilla": "vanilla",
-    "no_trust_region": "no_trust_region",
-    "fipo": "fipo",
-}
-
-#: ``_target_`` of the policy-loss config, as written in the packaged Hydra config.
-POLICY_LOSS_CONFIG_TARGET = "recipe.m2po.verl.config.M2POPolicyLossConfig"
-#: The same for FIPO (``fipo_trainer.yaml``).
-FIPO_POLICY_LOSS_CONFIG_TARGET = "recipe.m2po.verl.config.FIPOPolicyLossConfig"
-
-
-def config_dir() -> Path:
-    """Directory holding the packaged Hydra config ``m2po_trainer.yaml`` (pass it to ``--config-path``)."""
-    return Path(__file__).resolve().parent / "config"
-
-
-def register() -> dict[str, object]:
-    """Register the losses in verl's registry (idempotent); returns ``{verl name: function}``."""
-    from recipe.m2po.verl.plugin import register as _register
-
-    return _register()
+from recipe.verl import (  # noqa: F401 - raises the same clear ImportError as recipe.verl when verl is missing
+    FIPO_POLICY_LOSS_CONFIG_TARGET,
+    INSTALL_HINT,
+    POLICY_LOSS_CONFIG_TARGET,
+    VERL_LOSS_NAMES,
+    config_dir,
+    register,
+)
 
 
 def __getattr__(name: str):
     if name in ("M2POPolicyLossConfig", "FIPOPolicyLossConfig"):
-        from recipe.m2po.verl import config
+        from recipe.verl import config
 
         return getattr(config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["INSTALL_HINT", "VERL_LOSS_NAMES", "POLICY_LOSS_CONFIG_TARGET", "FIPO_POLICY_LOSS_CONFIG_TARGET",
-           "M2POPolicyLossConfig", "FIPOPolicyLossConfig", "config_dir", "register"]

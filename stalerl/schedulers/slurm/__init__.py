@@ -13,7 +13,7 @@ What happens (:func:`launch_slurm`):
 3. Inside the allocation the script starts a Ray head on the first node (``ray start --head --block`` on free ports,
    a private ``--temp-dir``), joins the other nodes with ``srun ... ray start --address=... --block``, waits until
    every node is in the cluster, and runs the same controller as a local run:
-   ``python -m stalerl.cli --config <run_dir>/slurm/config.yaml scheduler.type=ray scheduler.ray_address=<head>``.
+   ``python -m stalerl.launch.cli --config <run_dir>/slurm/config.yaml scheduler.type=ray scheduler.ray_address=<head>``.
    Its exit code is the job's. On exit only the Ray processes this job started are stopped (SIGTERM to its own
    ``ray start --block`` processes, which shut their node down); ``ray stop`` is *not* used because it kills every
    Ray process of the user on the node, including other jobs' clusters.
@@ -24,7 +24,7 @@ What happens (:func:`launch_slurm`):
    evaluation) are reported. A job that ends in any state but COMPLETED with exit code 0 is reported with its state,
    exit code and the last ``scheduler.slurm.log_tail_lines`` lines of its log, and the return code is non-zero.
 
-Sweeps (:func:`run_sweep_slurm`): ``key=a,b,c`` overrides (expanded by :mod:`stalerl.sweep`) become one job array
+Sweeps (:func:`run_sweep_slurm`): ``key=a,b,c`` overrides (expanded by :mod:`stalerl.results.sweep`) become one job array
 ``--array=0-(n-1)[%max_parallel]``; task ``i`` reads its resolved config path from line ``i+1`` of the runs file and
 runs it. Inside array tasks the inner scheduler defaults to ``local``: each task is a self-contained run on its own
 allocation, with no Ray cluster to start (seconds per task) and nothing shared between tasks; set

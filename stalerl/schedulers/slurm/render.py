@@ -13,7 +13,7 @@ from stalerl.config import ConfigError
 from stalerl.config.slurm import _CONTROL, _EXTRA_ARG, _check_text, _raise_slurm_problems
 
 
-# The trainer measures its start-up overhead from this timestamp (= stalerl.trainer.LAUNCH_TIME_ENV; not imported
+# The trainer measures its start-up overhead from this timestamp (= stalerl.training.trainer.LAUNCH_TIME_ENV; not imported
 # from there because that module imports torch). sbatch exports the environment, so a run inside the job counts
 # from the moment the user launched the command.
 LAUNCH_TIME_ENV = "STALERL_LAUNCH_TIME"
@@ -90,7 +90,7 @@ def inner_command(cfg: Any, config_path: Optional[Path], *, inner: Optional[str]
                   python: Optional[str] = None) -> list[str]:
     """The controller command run inside the allocation (``--config`` omitted for array tasks: per task)."""
     inner = inner or _inner_scheduler(cfg, array)
-    argv = [_python(cfg, python), "-m", "stalerl.cli"]
+    argv = [_python(cfg, python), "-m", "stalerl.launch.cli"]
     if config_path is not None:
         argv += ["--config", str(config_path)]
     return argv + [f"scheduler.type={inner}"]

@@ -20,7 +20,7 @@ from stalerl.schedulers.slurm.render import LAUNCH_TIME_ENV, _inner_scheduler, _
 
 # ------------------------------------------------------------------------------------------------ launching
 def _atomic_write(path: Path, text: str) -> Path:
-    from stalerl.io import atomic_write_text
+    from stalerl.core.io import atomic_write_text
 
     return atomic_write_text(path, text)
 
@@ -92,5 +92,5 @@ def launch_slurm(cfg: Any, config_path: Optional[str] = None, overrides: Sequenc
 
 
 def launch(cfg: Any, config_path: Optional[str], overrides: Sequence[str], dry_run: bool) -> int:
-    """Entry point for ``stalerl.launcher``/``stalerl.cli``: :func:`launch_slurm`."""
+    """Entry point for ``stalerl.launch.launcher``/``stalerl.launch.cli``: :func:`launch_slurm`."""
     return launch_slurm(cfg, config_path, overrides, dry_run)

@@ -29,7 +29,7 @@ def run_sweep_slurm(config_path: Optional[str], runs: Sequence[tuple[str, list[s
                     *, dry_run: bool = False) -> list[str]:
     """Run a sweep as one job array; returns one status per run: "ok" or "failed (STATE, code)".
 
-    ``runs``/``configs``: as made by :func:`stalerl.sweep.expand` and validated by the CLI. Every run's resolved
+    ``runs``/``configs``: as made by :func:`stalerl.results.sweep.expand` and validated by the CLI. Every run's resolved
     config is written to ``<experiment dir>/slurm-sweeps/<stamp>/configs/<i>.yaml`` and its path to line ``i+1`` of
     ``runs.txt``, which array task ``i`` reads. Resource settings (``scheduler.slurm.*``) must be the same for every
     run (one array, one request). Sweeps always wait for the array (the summary table needs the results).
@@ -117,5 +117,5 @@ def run_sweep_slurm(config_path: Optional[str], runs: Sequence[tuple[str, list[s
 
 def run_sweep(config_path: Optional[str], runs: Sequence[tuple[str, list[str]]], configs: Sequence[Any],
               dry_run: bool = False) -> list[str]:
-    """Entry point for ``stalerl.cli.run_sweep_on("slurm", ...)``: :func:`run_sweep_slurm`."""
+    """Entry point for ``stalerl.launch.cli.run_sweep_on("slurm", ...)``: :func:`run_sweep_slurm`."""
     return run_sweep_slurm(config_path, runs, configs, dry_run=dry_run)

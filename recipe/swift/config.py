@@ -1,0 +1,199 @@
+"""Settings of the recipe losses inside ms-swift's GRPO: names, where their keys come from, what is refused.
+
+ms-swift parses its command line into a fixed dataclass and refuses unknown flags *before* it imports the
+``--external_plugins`` files, so a plugin cannot add ``--m2_threshold``. The loss keys therefore travel as
+environment variables, which ms-swift's launcher (torchrun under ``NPROC_PER_NODE``) hands to every rank unchanged.
+Every variable with the ``STALERL_`` loss prefixes is checked once, when the plugin is imported (before ms-swift
+loads the model): an unknown name, an unparsable value or an out-of-range one fails with one line naming it.
+
+The PPO clip of ``fipo_ref`` is ms-swift's own ``--epsilon`` / ``--epsilon_high``.
+
+Torch-free and ms-swift-free: the CLI helper and the config tests import it without either.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+#: Loss types this adapter adds to ms-swift's ``--loss_type``; every other value is ms-swift's own.
+#: ``fipo_ref`` is the reference FIPO (``recipe.registry`` ``fipo``); ms-swift's own ``fipo`` stays as it is.
+LOSS_TYPES = {"m2po": "m2po", "fipo_ref": "fipo"}  # ms-swift loss_type -> recipe.registry name
+
+ENV_PREFIXES = ("STALERL_M2", "STALERL_FIPO_")
+
+
+@dataclass(frozen=True)
+class EnvKey:
+    env: str
+    key: str  # the registry config key (stalerl's actor.* name)
+    kind: str  # "float" or "bool"
+    default: Any
+    minimum: Optional[float] = None
+    minimum_inclusive: bool = True
+    meaning: str = ""
+
+
+ENV_KEYS: dict[str, tuple[EnvKey, ...]] = {
+    "m2po": (
+        EnvKey("STALERL_M2_THRESHOLD", "m2_threshold", "float", 0.04, 0.0, True,
+               "M2PO's second-moment threshold tau"),
+    ),
+    "fipo_ref": (
+        EnvKey("STALERL_FIPO_DECAY_RATE", "fipo_decay_rate", "float", 32.0, 0.0, False,
+               "half-life in tokens of the Future-KL discount"),
+        EnvKey("STALERL_FIPO_CLIP_RATIO_C", "fipo_clip_ratio_c", "float", 10.0, 1.0, False,
+               "dual-clip constant c"),
+        EnvKey("STALERL_FIPO_INFLUENCE_CLIP_RATIO", "fipo_influence_clip_ratio", "float", 0.2, 0.0, True,
+               "influence-weight clip eps_f"),
+        EnvKey("STALERL_FIPO_INFLUENCE_CLIP_HIGH_ONLY", "fipo_influence_clip_high_only", "bool", True, None, True,
+               "clip the influence weight to [1, 1+eps_f] (true) or [1-eps_f, 1+eps_f] (false)"),
+        EnvKey("STALERL_FIPO_SAFETY_THRESHOLD", "fipo_safety_threshold", "float", 10.0, 0.0, False,
+               "ratio above which an A<0 token's weight is reset into [0.8, 1]"),
+    ),
+}
+ALL_ENV_NAMES = tuple(k.env for keys in ENV_KEYS.values() for k in keys)
+
+#: ms-swift flags that configure its *own* fipo; with ``fipo_ref`` a non-default value would be silently ignored,
+#: so it is refused (name, ms-swift default, the variable to use instead).
+SWIFT_FIPO_FLAGS = (
+    ("fipo_decay_rate", 32.0, "STALERL_FIPO_DECAY_RATE"),
+    ("fipo_clip_range", 0.2, "STALERL_FIPO_INFLUENCE_CLIP_RATIO"),
+    ("fipo_clip_high_only", True, "STALERL_FIPO_INFLUENCE_CLIP_HIGH_ONLY"),
+    ("fipo_safety_threshold", 4.0, "STALERL_FIPO_SAFETY_THRESHOLD"),
+    ("delta", None, "STALERL_FIPO_CLIP_RATIO_C"),
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse(spec: EnvKey, raw: str) -> Any:
+    text = raw.strip()
+    if spec.kind == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{spec.env}={raw!r} is not a boolean; expected true or false ({spec.meaning}). "
+                         f"Fix: export {spec.env}={'true' if spec.default else 'false'}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{spec.env}={raw!r} is not a number; expected a float ({spec.meaning}, default "
+                         f"{spec.default}). Fix: export {spec.env}={spec.default}") from None
+    bad_range = spec.minimum is not None and (value < spec.minimum or (value == spec.minimum
+                                                                       and not spec.minimum_inclusive))
+    if not math.isfinite(value) or bad_range:
+        bound = f"{'>=' if spec.minimum_inclusive else '>'} {spec.minimum}"
+        raise ValueError(f"{spec.env}={raw!r} is out of range; expected a finite number {bound} ({spec.meaning}). "
+                         f"Fix: export {spec.env}={spec.default}")
+    return value
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse a ``STALERL_M2*`` / ``STALERL_FIPO_*`` variable this adapter does not know (a typo would be ignored)."""
+    environ = os.environ if environ is None else environ
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIXES) and name not in ALL_ENV_NAMES:
+            close = difflib.get_close_matches(name, ALL_ENV_NAMES, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ValueError(f"unknown loss setting {name} in the environment;{hint} known: "
+                             f"{', '.join(ALL_ENV_NAMES)}. Fix: rename or unset it")
+
+
+def loss_config(loss_type: str, *, epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
+                environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The registry config of ``loss_type`` (``m2po`` or ``fipo_ref``) from the environment, validated."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} is not one of this adapter's: {', '.join(LOSS_TYPES)}")
+    environ = os.environ if environ is None else environ
+    check_environment(environ)
+    config: dict[str, Any] = {}
+    for spec in ENV_KEYS[loss_type]:
+        raw = environ.get(spec.env)
+        config[spec.key] = spec.default if raw is None or raw.strip() == "" else _parse(spec, raw)
+    if loss_type == "fipo_ref":
+        config["clip_ratio_low"] = float(epsilon_low)
+        config["clip_ratio_high"] = float(epsilon_low if epsilon_high is None else epsilon_high)
+        _validate_fipo(config)
+    return config
+
+
+def _validate_fipo(config: dict[str, Any]) -> None:
+    """The cross-key rules of the reference FIPO, with the messages naming the environment variables."""
+    from recipe.fipo.algorithm import fipo_params_from_config  # the rules live with the loss (imports torch)
+
+    try:
+        fipo_params_from_config(config)
+    except ValueError as exc:
+        message = str(exc)
+        for spec in sorted(ENV_KEYS["fipo_ref"], key=lambda k: -len(k.key)):
+            message = message.replace(f"set {spec.key}=", f"export {spec.env}=").replace(spec.key, spec.env)
+        raise ValueError(f"fipo_ref: {message} (settings come from {', '.join(k.env for k in ENV_KEYS['fipo_ref'])}; "
+                         "the PPO clip from --epsilon/--epsilon_high)") from None
+
+
+def check_swift_args(args: Any) -> None:
+    """Refuse, with one line naming the flag, the ms-swift settings the recipe losses do not implement.
+
+    ``args`` is ms-swift's ``RLHFArguments`` or the trainer's ``GRPOConfig`` (read with ``getattr``, so a field a
+    given ms-swift version lacks counts as unset). Does nothing for ms-swift's own loss types.
+    """
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type not in LOSS_TYPES:
+        return
+
+    def refuse(flag: str, value: Any, why: str, fix: str) -> None:
+        raise ValueError(f"--loss_type {loss_type} does not support --{flag} {value!r}: {why}. Fix: {fix}")
+
+    if getattr(args, "use_liger_kernel", False):
+        refuse("use_liger_kernel", True, "the fused Liger loss bypasses the policy loss", "drop --use_liger_kernel")
+    level = getattr(args, "importance_sampling_level", "token")
+    if level != "token":
+        refuse("importance_sampling_level", level, "M2PO and FIPO are token-level losses",
+               "--importance_sampling_level token")
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        refuse("top_entropy_quantile", args.top_entropy_quantile, "the entropy mask is not part of these losses",
+               "--top_entropy_quantile 1.0")
+    if int(getattr(args, "sequence_parallel_size", 1) or 1) > 1:
+        refuse("sequence_parallel_size", args.sequence_parallel_size,
+               "the whole-step selection needs each rank's full sequences", "--sequence_parallel_size 1")
+    if getattr(args, "off_policy_sequence_mask_delta", None) is not None:
+        refuse("off_policy_sequence_mask_delta", args.off_policy_sequence_mask_delta,
+               "M2PO/FIPO already decide which tokens of stale data count", "drop the flag")
+    if getattr(args, "rollout_importance_sampling_mode", None) is not None:
+        refuse("rollout_importance_sampling_mode", args.rollout_importance_sampling_mode,
+               "the sampler's log-probs are already the behaviour policy of these losses (no extra IS correction)",
+               "drop the flag")
+    if getattr(args, "advantage_reweight", None) not in (None, "none"):
+        refuse("advantage_reweight", args.advantage_reweight, "teacher reweighting is not implemented here",
+               "drop the flag")
+    for flag in ("teacher_model", "teacher_model_server", "multi_turn_scheduler"):
+        if getattr(args, flag, None):
+            refuse(flag, getattr(args, flag), "teacher distillation and multi-turn rollouts (a variable number of "
+                   "samples per step) are not implemented with these losses", f"drop --{flag}")
+    if float(getattr(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
+        refuse("sdar_loss_coef", args.sdar_loss_coef, "SDAR is not implemented with these losses", "set it to 0")
+    if getattr(args, "chord_sft_dataset", None):
+        refuse("chord_sft_dataset", args.chord_sft_dataset, "CHORD mixing is not implemented with these losses",
+               "drop the flag")
+    ga = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    spg = getattr(args, "steps_per_generation", None)
+    if spg is not None and int(spg) % ga != 0:
+        refuse("steps_per_generation", spg, f"an optimizer step ({ga} micro-batches) must lie inside one generation "
+               "batch for the whole-step selection and token count", f"a multiple of --gradient_accumulation_steps {ga}")
+    if loss_type == "fipo_ref":
+        for flag, default, env in SWIFT_FIPO_FLAGS:
+            value = getattr(args, flag, default)
+            if value != default:
+                refuse(flag, value, "that flag configures ms-swift's own fipo; the reference FIPO reads its "
+                       "settings from the environment", f"unset --{flag} and export {env}")
+    else:
+        if getattr(args, "delta", None) is not None:
+            refuse("delta", args.delta, "M2PO has no clipping", "drop --delta")
+    loss_config(loss_type, epsilon_low=float(getattr(args, "epsilon", 0.2)),
+                epsilon_high=getattr(args, "epsilon_high", None))

@@ -1,0 +1,139 @@
+"""Run a loaded config under its scheduler. ``local`` runs the controller in this process."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from stalerl.config import ExperimentConfig, config_to_yaml, is_async, run_dir
+
+
+def build_trainer(cfg: ExperimentConfig):
+    """The synchronous loop (optionally with a fixed-staleness FIFO) or the asynchronous dX+dY runtime."""
+    if is_async(cfg):
+        from stalerl.training.async_trainer import AsyncTrainer
+
+        return AsyncTrainer(cfg)
+    from stalerl.training.trainer import Trainer
+
+    return Trainer(cfg)
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    """Everything that can be refused before a model, worker, Ray task or job exists: paths, the device (where the
+    model will live is this machine) and the trial directory (config agreement with its checkpoint, finished)."""
+    from stalerl.launch.preflight import check_before_launch
+    from stalerl.training.trial_dir import check_trial_dir
+
+    check_before_launch(cfg)
+    check_trial_dir(cfg, run_dir(cfg))
+
+
+def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) -> dict[str, Any]:
+    if dry_run:
+        print(config_to_yaml(cfg))
+        return {}
+    kind = cfg.scheduler.type
+    if kind == "slurm":
+        raise NotImplementedError("scheduler.type='slurm' is wired in stalerl.launch.cli")
+    preflight(cfg)
+    if kind == "ray" and not is_async(cfg):
+        result = _run_sync_on_ray(cfg)
+    else:
+        result = train_with_summary(cfg)
+    if plot:
+        from stalerl.results.plot import plot_runs
+
+        out = plot_runs([run_dir(cfg)], ["reward", "actor/grad_norm"], run_dir(cfg) / "curves.png")
+        print(f"curves written to {out}")
+    return result
+
+
+def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The single-process loop (fixed staleness) as one Ray task, with the resources of one worker.
+
+    A request no node set can satisfy is refused at once (Ray would wait forever). The task writes its output to
+    ``<run_dir>/logs/trainer.log`` (as worker processes do) and the driver copies that file to its own stdout while
+    it waits, so the console reads as in local mode, without Ray's per-line prefixes."""
+    from stalerl.launch.preflight import check_ray_fit, ray_is_this_machine
+    from stalerl.training.workers.hosting import import_ray, init_ray, worker_resources
+
+    ray = import_ray()
+    # On a remote cluster the task's log file is on another node: let Ray forward its output instead.
+    tail = ray_is_this_machine(cfg)
+    started = init_ray(cfg.scheduler.ray_address, log_to_driver=not tail)
+    try:
+        res = worker_resources(cfg)
+        check_ray_fit({"CPU": res.cpus, "GPU": res.gpus}, ray.cluster_resources(),
+                      "the synchronous training loop (one Ray task)",
+                      f"torch_threads (CPUs per task, now {cfg.torch_threads}) at most the cluster's CPUs")
+        log_path = run_dir(cfg) / "logs" / "trainer.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.touch()
+        # max_calls=1: the worker process exits after the task, so its redirected output never outlives it.
+        task = ray.remote(max_calls=1)(_train_in_task).options(num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0)
+        ref = task.remote(cfg, str(log_path) if tail else None)
+        with open(log_path, "rb") as log:
+            log.seek(0, 2)  # this run's output only (an extended trial appends to the same file)
+            while True:
+                done, _ = ray.wait([ref], timeout=0.2)
+                _copy_new_output(log)
+                if done:
+                    break
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            from stalerl.core.errors import UserError
+
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, UserError):  # one line for the user; a bug keeps Ray's remote traceback
+                raise cause from None
+            raise
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _copy_new_output(log) -> None:
+    import sys
+
+    chunk = log.read()
+    if chunk:
+        buffer = getattr(sys.stdout, "buffer", None)
+        if buffer is not None:
+            buffer.write(chunk)
+        else:  # a replaced stdout (e.g. a test's capture)
+            sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str]) -> dict[str, Any]:
+    import os
+    import sys
+
+    if log_path:
+        out = open(log_path, "a", buffering=1)
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
+    return train_with_summary(cfg)
+
+
+def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Train, then write ``<run_dir>/summary.json`` (see :mod:`stalerl.results.run_summary`), also when the run fails."""
+    from stalerl.results.run_summary import write_run_summary
+
+    from stalerl.training.trainer import TrainingDiverged
+
+    start = time.time()
+    try:
+        result = build_trainer(cfg).train()
+    except TrainingDiverged as exc:  # an outcome of the method, not a failure of the run: its own status
+        write_run_summary(cfg, status="diverged", wall_s=time.time() - start, error=str(exc)[:2000])
+        raise
+    except BaseException as exc:
+        write_run_summary(cfg, status="failed", wall_s=time.time() - start,
+                          error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    write_run_summary(cfg, status="finished", wall_s=time.time() - start)
+    return result

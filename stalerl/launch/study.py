@@ -1,0 +1,465 @@
+"""``stalerl-study``: one command per results table. A study spec (YAML) names a grid; the runner runs it as a
+sweep on any scheduler, collects the run summaries next to the docs and regenerates the doc's results block.
+
+    stalerl-study run examples/math/study/staleness.yaml            # the full grid, then the report
+    stalerl-study run examples/math/study/staleness.yaml --seeds 1,2 --losses m2po,vanilla \\
+        --settings "fixed_staleness 0,fixed_staleness 4" --set total_train_steps=20 \\
+        --results /tmp/tiny --doc /tmp/tiny.md                      # a tiny validation grid, outside the docs
+    stalerl-study run SPEC --dry-run                                 # list the runs, validate every config
+
+Spec keys (see examples/math/study/*.yaml): ``name``, ``title``, ``config`` (base YAML), ``overrides`` (for every
+run), ``losses`` (``actor.loss`` values: adding a loss to the table is one line), ``variants`` (optional mapping
+name -> overrides, e.g. behaviour log-prob rollout vs recompute), ``settings`` (mapping: setting name -> overrides;
+the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``stale S dX+dY rollout R``, and is
+checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
+scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
+``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
+stalerl.results.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way, see
+stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g. on-policy once),
+``pilot`` (free-form record of a pilot's grid, decision rule and outcome; not used by the runner).
+Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
+
+Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
+process's machine, under ``<fileroot>/warm_start/``, shared by studies) and every RL run of that seed starts from the
+saved model (``actor.path=<cache> warm_start.steps=0``; the weights are saved exactly, so the RL runs are those of
+an in-run warm start up to the RNG use of the warm start itself). Runs whose ``summary.json`` already says
+``finished`` are not rerun (``--force`` reruns them), so an interrupted study resumes where it stopped. Under Slurm
+the cache and the run directories must be on a shared filesystem (``cluster.fileroot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from stalerl.core.io import atomic_write_text
+from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
+                                         machine_description, read_summary, setting_of, write_summary)
+
+SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
+             "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
+             "claims", "setting_losses", "pilot"}
+
+
+class StudyError(ValueError):
+    pass
+
+
+def load_spec(path: os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    spec = yaml.safe_load(p.read_text()) or {}
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        raise StudyError(f"{p}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
+                         f"{', '.join(sorted(SPEC_KEYS))}")
+    for key in ("name", "config", "losses", "settings", "seeds"):
+        if not spec.get(key):
+            raise StudyError(f"{p}: '{key}' is required (see stalerl/launch/study.py for the format)")
+    claims = spec.get("claims")
+    if isinstance(claims, dict):  # pre-registered claims (stalerl.results.report_prereg): checked before anything runs
+        from stalerl.results.report_prereg import ClaimSpecError, parse_claims
+
+        try:
+            parse_claims(claims)
+        except ClaimSpecError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
+    elif claims not in (None, "staleness", "async"):
+        raise StudyError(f"{p}: claims={claims!r}; expected a mapping of pre-registered claims (see "
+                         "stalerl/results/report_prereg.py), or the legacy staleness / async (or leave it out)")
+    if not isinstance(spec["settings"], dict):
+        raise StudyError(f"{p}: 'settings' must map a setting name to its list of overrides")
+    spec.setdefault("title", spec["name"])
+    spec.setdefault("overrides", [])
+    spec.setdefault("variants", {})
+    spec.setdefault("method_keys", ["loss"] + (["behavior_logp"] if spec["variants"] else []))
+    spec.setdefault("parallel", 1)
+    spec.setdefault("warm_start_cache", True)
+    spec.setdefault("results", f"docs/algorithms/results/{spec['name']}")
+    spec.setdefault("doc", "docs/algorithms/m2po.md")
+    spec.setdefault("experiment_name", f"study-{spec['name']}")
+    spec["seeds"] = [int(s) for s in spec["seeds"]]
+    only = spec.setdefault("setting_losses", {})
+    if not isinstance(only, dict):
+        raise StudyError(f"{p}: 'setting_losses' must map a setting name to the losses run there (e.g. the "
+                         "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
+    for setting, losses in only.items():
+        if setting not in spec["settings"]:
+            raise StudyError(f"{p}: setting_losses names {setting!r}, which is not in 'settings' "
+                             f"({', '.join(spec['settings'])})")
+        bad = [x for x in (losses or []) if x not in spec["losses"]]
+        if not losses or bad:
+            raise StudyError(f"{p}: setting_losses[{setting!r}]={losses!r}: expected a non-empty list of losses "
+                             f"from 'losses' ({', '.join(spec['losses'])})")
+    if isinstance(claims, dict):
+        _check_claim_cells(spec, p)
+    if spec.get("pilot") is not None:
+        from stalerl.results.pilot import check_pilot
+
+        try:
+            check_pilot(spec["pilot"])
+        except ValueError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
+    return spec
+
+
+def _check_claim_cells(spec: dict[str, Any], p: Path) -> None:
+    """Every cell a pre-registered claim names must be in the grid (a typo would make a claim untestable)."""
+    from stalerl.results.report_prereg import parse_claims
+
+    grid = {tuple(x) for x in _grid(spec)}
+    claim_set = parse_claims(spec["claims"])
+    cells = [("baseline", claim_set.baseline)] if claim_set.baseline else []
+    cells += [(f"{c.id}.{k}", getattr(c, k)) for c in claim_set.claims for k in ("a", "b")]
+    for where, cell in cells:
+        if cell not in grid:
+            raise StudyError(f"{p}: claims {where} names '{cell[0]} @ {cell[1]}', which the grid does not run; "
+                             f"expected one of {', '.join(f'{m} @ {st}' for m, st in sorted(grid))}")
+
+
+def _losses_at(spec: dict[str, Any], setting: str) -> list[str]:
+    """The losses run at a setting: setting_losses' list (within a --losses subset), else every loss."""
+    only = (spec.get("setting_losses") or {}).get(setting)
+    return [x for x in spec["losses"] if x in only] if only else list(spec["losses"])
+
+
+def _grid(spec: dict[str, Any]) -> list[list[str]]:
+    """[method label, setting] of every cell the spec runs (setting_losses restricts a setting's losses)."""
+    labels = dict(zip(spec["losses"], _labels_per_loss(spec)))
+    out = []
+    for setting in spec["settings"]:
+        for loss in _losses_at(spec, setting):
+            out += [[m, setting] for m in labels[loss]]
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_")
+
+
+def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The grid in (setting, loss, variant, seed) order: [{trial, seed, setting, overrides}]."""
+    variants = spec["variants"] or {"": []}
+    runs = []
+    for setting, s_ovr in spec["settings"].items():
+        for loss in _losses_at(spec, setting):
+            for variant, v_ovr in variants.items():
+                for seed in spec["seeds"]:
+                    trial = "-".join(x for x in (_slug(loss), _slug(variant), _slug(setting), f"seed{seed}") if x)
+                    runs.append({"trial": trial, "seed": seed, "setting": setting,
+                                 "method": _label(spec, loss, v_ovr), "overrides": [
+                        *spec["overrides"], f"experiment_name={spec['experiment_name']}", f"actor.loss={loss}",
+                        *(v_ovr or []), *(s_ovr or []), f"seed={seed}", f"trial_name={trial}"]})
+    return runs
+
+
+def _load(config: str, overrides: Sequence[str]):
+    from stalerl.config import load_config
+
+    return load_config(["--config", config, *overrides])
+
+
+def check_settings(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[Any]:
+    """Load (validate) every run's config before anything starts; a setting's name must be what its runs report."""
+    from stalerl.results.run_summary import _config_dict
+
+    configs = []
+    for r in runs:
+        cfg = _load(spec["config"], r["overrides"])
+        d = _config_dict(cfg)
+        got = setting_of(d)["setting"]
+        if got != r["setting"]:
+            raise StudyError(f"setting {r['setting']!r} runs as {got!r}; rename it to {got!r} in the spec (the report "
+                             "groups by the name a run reports)")
+        from stalerl.results.report import method_label
+
+        reported = method_label(identity_fields(cfg), spec["method_keys"])
+        if r.get("method") is not None and reported != r["method"]:
+            raise StudyError(f"run {r['trial']} reports method {reported!r}, the spec calls it {r['method']!r}; "
+                             "write the variant's values as the run records them (e.g. 0.0003, 1.0)")
+        configs.append(cfg)
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------ warm start
+def warm_start_dir(cfg) -> Path:
+    """Cache key: everything the warm-started weights depend on (model, data, warm-start config, seed)."""
+    from stalerl.results.run_summary import _config_dict
+
+    d = _config_dict(cfg)
+    parts = {"actor": {k: d["actor"][k] for k in ("path", "tiny", "dtype")}, "tokenizer": d.get("tokenizer_path"),
+             "train_dataset": d["train_dataset"], "warm_start": d["warm_start"], "seed": d["seed"],
+             "torch_threads": d["torch_threads"]}
+    if cfg.warm_start.target_accuracy > 0:  # the adaptive check's generation settings decide where it stops
+        parts["check"] = {"max_new_tokens": d["eval_gconfig"]["max_new_tokens"],
+                          "batch_size": d["valid_dataset"]["batch_size"]}
+    key = digest(parts)
+    # Under the file root, not the experiment: studies sharing a warm start (same key) share the cache.
+    return Path(cfg.cluster.fileroot).expanduser() / "warm_start" / f"seed{cfg.seed}-{key}"
+
+
+def warm_start_to(cfg, out: Path) -> Path:
+    """Run the config's warm start once and save the model atomically (a temp directory renamed into place)."""
+    import torch
+
+    from stalerl.results.run_summary import _config_dict
+    from stalerl.training.trainer import Trainer
+
+    if (out / WARM_START_MARKER).is_file():
+        return out
+    trainer = Trainer(cfg)
+    info = trainer.run_warm_start()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_model(tmp)
+    marker = {"base_path": cfg.actor.path, "seed": cfg.seed, "torch": torch.__version__,
+              "warm_start": _config_dict(cfg)["warm_start"],  # as an in-run warm start's config has it
+              "final_loss": info.get("warm_start/final_loss"),
+              # what happened: steps done, and for an adaptive warm start its check (see stalerl.training.warm_start)
+              "result": {k.split("/", 1)[1]: v for k, v in info.items() if k != "warm_start/seconds"}}
+    atomic_write_text(tmp / WARM_START_MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _pool(commands: list[tuple[str, list[str]]], parallel: int) -> dict[str, int]:
+    """Run commands ``parallel`` at a time (each in its own process); returns exit code per name."""
+    pending, running, codes = list(commands), {}, {}
+    while pending or running:
+        while pending and len(running) < max(1, parallel):
+            name, argv = pending.pop(0)
+            print(f"start {name}", flush=True)
+            running[name] = (subprocess.Popen(argv), time.perf_counter())
+        for name, (proc, t0) in list(running.items()):
+            code = proc.poll()
+            if code is not None:
+                codes[name] = code
+                del running[name]
+                print(f"done  {name}: {'ok' if code == 0 else f'failed ({code})'} in {time.perf_counter() - t0:.0f}s",
+                      flush=True)
+        time.sleep(0.2)
+    return codes
+
+
+# ------------------------------------------------------------------------------------------------ run
+def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, force: bool = False,
+              scheduler: Optional[str] = None, report: bool = True, command: Optional[str] = None) -> int:
+    from stalerl.config import run_dir
+
+    start = time.time()
+    runs = expand(spec)
+    if scheduler:
+        for r in runs:
+            r["overrides"].append(f"scheduler.type={scheduler}")
+    configs = check_settings(spec, runs)
+    kind = configs[0].scheduler.type
+    print(f"study {spec['name']}: {len(runs)} runs (scheduler.type={kind}, parallel={spec['parallel']})")
+    for r in runs:
+        print(f"  {r['trial']}")
+    if dry_run:
+        return 0
+
+    # 1. Warm start once per seed, then every RL run of that seed starts from the saved model.
+    if spec["warm_start_cache"] and configs[0].warm_start.steps > 0:
+        jobs, dirs = {}, {}
+        for r, cfg in zip(runs, configs):
+            d = warm_start_dir(cfg)
+            dirs[r["trial"]] = d
+            if not (d / WARM_START_MARKER).is_file() and str(d) not in jobs:
+                jobs[str(d)] = [sys.executable, "-m", "stalerl.launch.study", "warm-start", "--out", str(d), "--config",
+                                spec["config"], *r["overrides"]]
+        t0 = time.time()
+        codes = _pool([(f"warm start {Path(k).name}", v) for k, v in jobs.items()], spec["parallel"])
+        if any(codes.values()):
+            print("a warm start failed; see its output above", file=sys.stderr)
+            return 1
+        if jobs:
+            print(f"warm starts: {len(jobs)} in {time.time() - t0:.0f}s")
+        for r in runs:
+            r["overrides"] += [f"actor.path={dirs[r['trial']]}", "warm_start.steps=0"]
+        configs = [_load(spec["config"], r["overrides"]) for r in runs]
+
+    # 2. The grid, skipping runs that already finished.
+    todo = [(r, c) for r, c in zip(runs, configs)
+            if force or _status(run_dir(c)) not in ("finished", "diverged")]  # a divergence is a result
+    print(f"{len(runs) - len(todo)} runs already finished; running {len(todo)}")
+    codes: dict[str, int] = {}
+    if todo and kind == "local":
+        codes = _pool([(r["trial"], [sys.executable, "-m", "stalerl.launch.cli", "--config", spec["config"],
+                                     *r["overrides"]]) for r, _ in todo], spec["parallel"])
+    elif todo:
+        from stalerl.launch.cli import run_sweep_on
+
+        statuses = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
+                                [c for _, c in todo])
+        codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
+
+    # 3. Collect the summaries (a run that died without one gets a failed summary from its config).
+    results = Path(spec["results"])
+    results.mkdir(parents=True, exist_ok=True)
+    statuses: dict[str, Optional[str]] = {}
+    for r, cfg in zip(runs, configs):
+        path = run_dir(cfg) / SUMMARY_FILE
+        if path.is_file():
+            summary = read_summary(path)
+        else:
+            summary = build_summary(cfg, status="failed", wall_s=0.0,
+                                    error=f"no summary written (exit code {codes.get(r['trial'])})")
+        write_summary(results / f"{r['trial']}.json", summary)
+        statuses[r["trial"]] = summary.get("status")
+    wall = time.time() - start
+    previous = results / "study.json"
+    if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
+        try:
+            wall += float(json.loads(previous.read_text()).get("wall_s") or 0.0)
+        except (OSError, ValueError):
+            pass
+    meta = {
+        "name": spec["name"], "title": spec["title"], "method_keys": spec["method_keys"], "seeds": spec["seeds"],
+        "settings": list(spec["settings"]),
+        "methods": _method_labels(spec),
+        "command": command or f"stalerl-study run {spec_path}",
+        "regenerate": f"stalerl-report {spec['results']} --update-doc {spec['doc']}",
+        "wall_s": round(wall, 1), "runs": len(runs), "parallel": spec["parallel"], "scheduler": kind,
+        "machine": machine_description(),
+    }
+    for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
+        if spec.get(key):
+            meta[key] = spec[key]
+    if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
+        meta["grid"] = _grid(spec)
+    atomic_write_text(results / "study.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
+    if report:
+        from stalerl.results.report import main as report_main
+
+        code = report_main([str(results), "--update-doc", spec["doc"]])
+        if code:
+            return code
+    # A diverged run exits with an error but is a result (its summary says so), not a failed study.
+    return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
+
+
+def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) -> str:
+    """The method label a run of ``loss`` with a variant's overrides will report (checked against the config by
+    check_settings, so a value written differently from how the summary records it is caught before any run)."""
+    from stalerl.results.report import method_label
+
+    fields = {"loss": loss}
+    for o in overrides or []:
+        k, _, v = o.partition("=")
+        fields[k.rsplit(".", 1)[-1]] = v
+    return method_label(fields, spec["method_keys"])
+
+
+def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
+    """Per loss (in spec order), the method labels of its variants as the report names them."""
+    return [[_label(spec, loss, ovr) for ovr in (spec["variants"] or {"": []}).values()] for loss in spec["losses"]]
+
+
+def _method_labels(spec: dict[str, Any]) -> list[str]:
+    return list(dict.fromkeys(m for labels in _labels_per_loss(spec) for m in labels))
+
+
+def _status(d: Path) -> Optional[str]:
+    try:
+        return read_summary(d)["status"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def pilot_decision(results: str, spec_path: str) -> int:
+    """Print the pilot's decision table (stalerl.results.pilot) from its collected summaries."""
+    from stalerl.results.pilot import render_pilot
+    from stalerl.results.report import ReportError, group, load_study, load_summaries
+
+    spec = load_spec(spec_path)
+    if not isinstance(spec.get("pilot"), dict):
+        raise StudyError(f"{spec_path}: no 'pilot' mapping (stale_loss, on_policy, prosper, collapse); add the rule")
+    try:
+        meta = load_study([results])
+        cells = group(load_summaries([results]), method_keys=spec["method_keys"], grid=meta.get("grid"))
+    except ReportError as exc:
+        raise StudyError(str(exc)) from exc
+    print(render_pilot(cells, spec["pilot"]))
+    return 0
+
+
+def apply_cli(spec: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """Restrict or redirect a spec from the command line (tiny validation grids never touch the docs)."""
+    def subset(key: str, text: Optional[str], cast=str):
+        if not text:
+            return
+        want = [cast(x) for x in text.split(",")]
+        have = list(spec[key])
+        bad = [w for w in want if w not in have]
+        if bad:
+            raise StudyError(f"--{key} {text!r}: {bad} not in the spec's {key} {have}")
+        spec[key] = {k: spec[key][k] for k in want} if isinstance(spec[key], dict) else want
+
+    subset("seeds", a.seeds, int)
+    subset("losses", a.losses)
+    subset("settings", a.settings)
+    spec["overrides"] = [*spec["overrides"], *a.set]
+    for key in ("results", "doc", "parallel", "experiment_name"):
+        if getattr(a, key) is not None:
+            spec[key] = getattr(a, key)
+    return spec
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="stalerl-study", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a study spec, collect its summaries, regenerate its doc block")
+    r.add_argument("spec")
+    r.add_argument("--seeds", help="only these seeds (comma-separated)")
+    r.add_argument("--losses", help="only these losses")
+    r.add_argument("--settings", help="only these settings (names, comma-separated)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every run (repeatable), e.g. total_train_steps=20")
+    r.add_argument("--results", help="collect summaries here instead of the spec's results directory")
+    r.add_argument("--doc", help="update this document instead of the spec's")
+    r.add_argument("--experiment-name", dest="experiment_name", help="run directory group (default study-<name>)")
+    r.add_argument("--parallel", type=int, help="runs at once under the local scheduler")
+    r.add_argument("--scheduler", choices=("local", "ray", "slurm"), help="override scheduler.type")
+    r.add_argument("--force", action="store_true", help="rerun runs that already finished")
+    r.add_argument("--no-report", action="store_true", help="collect summaries, do not touch the doc")
+    r.add_argument("--dry-run", action="store_true", help="list and validate the runs only")
+    pl = sub.add_parser("pilot", help="apply a pilot spec's decision rule to its collected summaries")
+    pl.add_argument("results", help="the pilot's results directory (collected summaries and study.json)")
+    pl.add_argument("--spec", required=True, help="the pilot's study spec (its 'pilot' mapping)")
+    w = sub.add_parser("warm-start", help="(internal) warm-start one seed and save the model")
+    w.add_argument("--out", required=True)
+    w.add_argument("--config", required=True)
+    w.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "pilot":
+            return pilot_decision(a.results, a.spec)
+        if a.cmd == "warm-start":
+            warm_start_to(_load(a.config, a.overrides), Path(a.out))
+            return 0
+        spec = apply_cli(load_spec(a.spec), a)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        command = "stalerl-study " + " ".join(shlex.quote(x) for x in argv if x not in ("--force", "--no-report"))
+        return run_study(spec, spec_path=a.spec, dry_run=a.dry_run, force=a.force, scheduler=a.scheduler,
+                         report=not a.no_report, command=command)
+    except StudyError as exc:
+        print(f"stalerl-study: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""``summary.json``: one small, machine-readable record per run, written atomically when the run ends.
+
+It is what the study report (``stalerl-report``) aggregates over seeds, and it is small enough to commit
+(``docs/algorithms/results/<study>/*.json``): besides the scalar outcomes it carries compact downsampled curves, so
+committed summaries alone regenerate the tables and figures. A failed run still writes one, with ``status: failed``
+and the error, so a report shows it as failed instead of silently dropping a seed.
+
+Fields (``schema`` 1): identity (``run``, ``experiment``, ``seed``, ``loss``, ``behavior_logp``, ``config_digest``,
+``setting_digest``), staleness settings (``mode``, ``fixed_staleness``, ``max_head_offpolicyness``, ``dX``/``dY``,
+``rollout_R`` = max_concurrent_rollouts, ``setting`` = the AReaL trial name ``stale S dX+dY rollout R`` for
+asynchronous runs), outcomes (``eval``: initial = step 0 after the warm start, final, best over every evaluation
+including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
+``status``/``error``, ``machine`` and ``curves``. Schema 2 adds ``eval_every`` (evaluator.freq_steps),
+``diagnostics`` (mean and max of the drift diagnostics, ``DIAGNOSTIC_METRICS``) and their compact curves, and the
+status ``diverged``: the loss, gradient norm or log-probs became non-finite; the summary keeps the curves up to that
+step and the report counts the run as collapsed (never as missing). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done, ``final_loss`` and, for an adaptive
+warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy at its last check) and
+``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from stalerl.core.io import atomic_write_text
+
+SUMMARY_FILE = "summary.json"
+SCHEMA = 2  # 2: diagnostic curves and scalars, eval_every; status 'diverged'. Schema 1 still loads.
+WARM_START_MARKER = "warm_start.json"  # written next to a cached warm-started model (stalerl.launch.study)
+CURVE_POINTS = 60  # per metric: enough for a figure, small enough to commit
+CURVE_METRICS = ("reward/consumed", "reward/generated", "actor/grad_norm", "staleness/avg")
+# The drift diagnostics (schema 2), kept as compact curves so a reader can see what the trust region saw: M2 before /
+# after masking and over all tokens, the largest |log-ratio| and ratio, clip / masked fractions, the sampling
+# policy's entropy, and the gradient norm before clipping (actor/grad_norm above). Per-bin max for the maxima, so a
+# downsampled curve keeps its spikes.
+DIAGNOSTIC_METRICS = ("actor/m2po/m2_before", "actor/m2po/m2_after", "actor/m2_all_tokens",
+                      "actor/log_ratio_abs_max", "actor/ratio_max", "actor/vanilla/clip_fraction",
+                      "actor/m2po/masked_fraction", "rollout/entropy")
+# Config sections that do not change what is learned: left out of ``setting_digest`` (with seed and names), so
+# runs of one setting over seeds share it.
+_NON_SETTING_KEYS = ("seed", "experiment_name", "trial_name", "cluster", "scheduler", "stats_logger", "recover",
+                     "saver", "torch_threads")
+
+
+def _round(x: float, digits: int = 6) -> float:
+    """Fixed significant digits: summaries diff cleanly and report formatting does not depend on float noise."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return float(f"{x:.{digits}g}")
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU model, core count and library versions: trajectories of the same config differ across CPUs."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+                           "python": platform.python_version()}
+    for mod in ("torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a description, never a failure
+            out[mod] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from stalerl.config import config_to_yaml
+
+    return OmegaConf.to_container(OmegaConf.create(config_to_yaml(cfg)), resolve=True)
+
+
+def warm_start_origin(actor_path: str) -> Optional[dict[str, Any]]:
+    """The marker of a cached warm-started model (base model, warm-start config, its own digest), if any."""
+    marker = Path(actor_path) / WARM_START_MARKER
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    return None
+
+
+def setting_of(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The staleness/parallelism description of a config dict, with AReaL's trial name for async runs."""
+    from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+
+    ro, actor = d["rollout"], d["actor"]
+    dx = parse_backend(ro["backend"], engines=ROLLOUT_ENGINES).dp
+    dy = parse_backend(actor["backend"], engines=TRAIN_ENGINES).dp
+    r = ro.get("max_concurrent_rollouts") or ro["consumer_batch_size"]
+    s_fixed, s_head = int(ro["fixed_staleness"]), int(ro["max_head_offpolicyness"])
+    is_async = ro["mode"] == "async" or (ro["mode"] == "auto" and s_fixed == 0 and (s_head > 0 or dx > 1 or dy > 1))
+    if is_async:
+        name = f"stale {s_head} d{dx}+d{dy} rollout {r}"
+    else:
+        name = f"fixed_staleness {s_fixed}"
+    return {"mode": "async" if is_async else "sync", "fixed_staleness": s_fixed, "max_head_offpolicyness": s_head,
+            "dX": dx, "dY": dy, "dXdY": f"d{dx}+d{dy}", "rollout_R": int(r), "setting": name}
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return _round(sum(xs) / len(xs)) if xs else None
+
+
+def _series(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if _num(r.get(key)) is not None]
+
+
+def downsample(points: Sequence[tuple[int, float]], n: int = CURVE_POINTS, *,
+               reduce: str = "mean") -> list[list[float]]:
+    """At most ``n`` [step, value] points: consecutive bins averaged (``reduce="max"``: their maximum), each at its
+    last step (deterministic)."""
+    if len(points) <= n:
+        return [[s, _round(v)] for s, v in points]
+    out = []
+    for i in range(n):
+        lo, hi = i * len(points) // n, (i + 1) * len(points) // n
+        chunk = points[lo:hi]
+        value = max(v for _, v in chunk) if reduce == "max" else sum(v for _, v in chunk) / len(chunk)
+        out.append([chunk[-1][0], _round(value)])
+    return out
+
+
+def _is_max(key: str) -> bool:
+    return key.endswith(("_max", "/max"))
+
+
+def diagnostics(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
+    """({metric: {mean, max}}, {metric: compact curve}) for the drift diagnostics a run logged."""
+    scalars, curves = {}, {}
+    for key in DIAGNOSTIC_METRICS:
+        pts = _series(train, key)
+        if not pts:
+            continue
+        vals = [v for _, v in pts]
+        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals))}
+        curves[key] = downsample(pts, reduce="max" if _is_max(key) else "mean")
+    return scalars, curves
+
+
+def _window(points: Sequence[tuple[int, float]], fraction: float) -> dict[str, Any]:
+    if not points:
+        return {"first": None, "last": None, "steps": 0}
+    w = max(1, int(round(len(points) * fraction)))
+    return {"first": _mean([v for _, v in points[:w]]), "last": _mean([v for _, v in points[-w:]]), "steps": w}
+
+
+def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: float = 0.1) -> dict[str, Any]:
+    """The outcome fields of a summary from the records of ``metrics.jsonl`` (step 0 = after warm start)."""
+    train = [r for r in rows if r.get("step", 0) > 0]
+    evals = _series(rows, "eval/accuracy")
+    ev: dict[str, Any] = {"initial": None, "final": None, "final_step": None, "best": None, "best_step": None}
+    if evals:
+        initial = [v for s, v in evals if s == 0]
+        ev["initial"] = _round(initial[-1]) if initial else None
+        ev["final_step"], ev["final"] = evals[-1][0], _round(evals[-1][1])
+        best = max(evals, key=lambda p: (p[1], -p[0]))  # the earliest step reaching the best accuracy
+        ev["best_step"], ev["best"] = best[0], _round(best[1])
+    gn = [v for _, v in _series(train, "actor/grad_norm")]
+    reward = {}
+    for name, key in (("generated", "reward/generated"), ("consumed", "reward/consumed")):
+        reward[name] = _window(_series(train, key), window_fraction)
+    fractions = {}
+    for key in sorted({k for r in train for k in r if k.endswith(("masked_fraction", "clip_fraction"))}):
+        fractions[key.split("/", 1)[-1] if key.startswith("actor/") else key] = _mean(
+            [v for _, v in _series(train, key)])
+    hist: list[int] = []
+    for r in train:
+        for lag, count in enumerate(r.get("staleness/hist") or []):
+            hist.extend([0] * (lag + 1 - len(hist)))
+            hist[lag] += int(count)
+    stale_avg = [v for _, v in _series(train, "staleness/avg")]
+    ws = next((r for r in rows if r.get("step") == 0 and "warm_start/steps" in r), {})
+    curves = {"eval/accuracy": [[s, _round(v)] for s, v in evals]}
+    for key in CURVE_METRICS:
+        pts = _series(train, key)
+        if pts:
+            curves[key] = downsample(pts)
+    diag, diag_curves = diagnostics(train)
+    curves.update(diag_curves)
+    return {
+        "steps_done": int(train[-1]["step"]) if train else 0,
+        "eval": ev,
+        "reward": reward,
+        "grad_norm": {"mean": _mean(gn), "median": _round(statistics.median(gn)) if gn else None,
+                      "max": _round(max(gn)) if gn else None, "last": _window(_series(train, "actor/grad_norm"),
+                                                                              window_fraction)["last"]},
+        "fractions": fractions,
+        "staleness": {"mean": _mean(stale_avg),
+                      "max": max((int(r.get("staleness/max", 0)) for r in train), default=0), "hist": hist},
+        "warm_start": {k.split("/", 1)[1]: _round(float(v)) for k, v in ws.items()
+                       if k.startswith("warm_start/") and k != "warm_start/seconds" and _num(v) is not None},
+        "step_seconds": _round(sum(v for _, v in _series(train, "timing/step_s"))),
+        "diagnostics": diag,
+        "curves": curves,
+    }
+
+
+def identity_fields(cfg: Any) -> dict[str, Any]:
+    """The fields a study's ``method_keys`` may name: seed, loss, behaviour log-probs and the optimizer knobs a
+    pilot varies (lr, gradient_clipping)."""
+    return {"seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
+            "lr": cfg.actor.optimizer.lr, "gradient_clipping": cfg.actor.optimizer.gradient_clipping}
+
+
+def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
+                  rows: Optional[Iterable[Mapping[str, Any]]] = None) -> dict[str, Any]:
+    from stalerl.config import run_dir
+
+    d = _config_dict(cfg)
+    origin = warm_start_origin(d["actor"]["path"])
+    setting_cfg = {k: v for k, v in d.items() if k not in _NON_SETTING_KEYS}
+    if origin is not None:  # a cached warm start stands for "base model + that warm start", whatever the seed
+        setting_cfg["actor"] = dict(setting_cfg["actor"], path=origin["base_path"])
+        setting_cfg["warm_start"] = origin["warm_start"]
+    if rows is None:
+        from stalerl.results.metrics_log import read_metrics
+
+        try:
+            rows = read_metrics(run_dir(cfg))
+        except FileNotFoundError:
+            rows = []
+    out = {
+        "schema": SCHEMA, "run": cfg.trial_name, "experiment": cfg.experiment_name, "status": status,
+        "error": error, **identity_fields(cfg),
+        "config_digest": digest(d), "setting_digest": digest(setting_cfg),
+        "steps_planned": cfg.total_train_steps, "eval_prompts": cfg.evaluator.n_prompts,
+        "eval_every": cfg.evaluator.freq_steps,
+        "warm_start_cached": origin, "wall_s": _round(wall_s, 4), "machine": machine_description(),
+    }
+    out.update(setting_of(d))
+    out.update(summarize_metrics(list(rows)))
+    if origin is not None:  # the warm start happened once, before this run, in the cache
+        out["warm_start"] = {"steps": float(origin["warm_start"]["steps"])}
+        if _num(origin.get("final_loss")) is not None:
+            out["warm_start"]["final_loss"] = _round(float(origin["final_loss"]))
+        for k, v in (origin.get("result") or {}).items():  # steps done (<= the cap) and the adaptive check
+            if _num(v) is not None:
+                out["warm_start"][k] = _round(float(v))
+    out["warnings"] = warm_start_warnings(out["warm_start"])
+    return out
+
+
+def warm_start_warnings(ws: Mapping[str, Any]) -> list[str]:
+    """A warm start that hit its cap before its accuracy target: RL started from a weaker model than configured."""
+    if ws.get("target_reached") == 0.0:
+        return [f"warm start hit its cap of {ws.get('cap', ws.get('steps')):g} steps before reaching target accuracy "
+                f"{ws.get('target_accuracy'):g} (held-out greedy accuracy {ws.get('accuracy'):g})"]
+    return []
+
+
+def write_summary(path: os.PathLike, summary: Mapping[str, Any]) -> Path:
+    """Sorted keys and fixed indentation: the same summary is the same bytes."""
+    return atomic_write_text(path, json.dumps(summary, indent=1, sort_keys=True) + "\n")
+
+
+def write_run_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
+                      log=print) -> Optional[Path]:
+    """Write ``<run_dir>/summary.json``; never raises (a summary must not turn a finished run into a failure)."""
+    from stalerl.config import run_dir
+
+    try:
+        path = run_dir(cfg) / SUMMARY_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_summary(path, build_summary(cfg, status=status, wall_s=wall_s, error=error))
+    except Exception as exc:  # noqa: BLE001
+        log(f"stalerl: could not write the run summary: {type(exc).__name__}: {exc}")
+        return None
+
+
+def read_summary(path: os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / SUMMARY_FILE
+    return json.loads(p.read_text())

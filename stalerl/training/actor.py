@@ -1,0 +1,391 @@
+"""The train worker's actor: per-token log-probs, micro-batching, the registered policy loss, one optimizer step
+per mini-batch.
+
+Exactness of splits. The loss aggregates with the mini-batch's global valid-token count (verl's
+``global_batch_info``), so summing micro-batch gradients (and averaging across data-parallel ranks, each scaled by
+``dp_size``) gives exactly the gradient of the whole mini-batch. A loss that selects tokens over the whole mini-batch
+(M2PO) registers a batch selector: the actor runs it once per mini-batch (a no-grad forward pass over every
+micro-batch first, when there is more than one micro-batch or rank) and hands each micro-batch its slice of the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from recipe.registry import get_policy_loss_spec
+from stalerl.training import fsdp
+from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
+from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
+
+# Elements of a (rows, tokens, vocab) logits block turned into log-probs at once: bounds the float32 temporaries of
+# the no-grad passes (behaviour recompute, M2PO's selection pass) to ~64 MB whatever the micro-batch size.
+_LOGP_CHUNK_ELEMENTS = 1 << 24
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[ids] in float32, shape ``ids.shape``, without materialising the full
+    (N, T, V) log_softmax: ``logit[id] - logsumexp(logits)``, over row chunks.
+
+    Under autograd the chunks still save their inputs for the backward pass (the softmax gradient needs them); in
+    no-grad passes only one chunk's temporaries exist at a time."""
+    n, t, v = logits.shape
+    rows = max(1, _LOGP_CHUNK_ELEMENTS // max(1, t * v))
+    parts = []
+    for start in range(0, n, rows):
+        x = logits[start:start + rows].float()
+        if temperature != 1.0:
+            x = x / temperature
+        picked = x.gather(-1, ids[start:start + rows].unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(x, dim=-1))
+    if not parts:
+        return logits.new_zeros(ids.shape, dtype=torch.float32)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class DataParallel:
+    """Where this actor sits among the train workers (size 1: no process group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Optional[Any] = None
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if opt_cfg.type == "adamw":
+        return torch.optim.AdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                                 weight_decay=opt_cfg.weight_decay)
+    if opt_cfg.type == "sgd":
+        return torch.optim.SGD(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
+    raise ValueError(f"actor.optimizer.type must be adamw or sgd, got {opt_cfg.type!r}")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, opt_cfg: Any, total_updates: int):
+    warmup = int(round(opt_cfg.warmup_steps_proportion * total_updates))
+    kind = opt_cfg.lr_scheduler_type
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_updates - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"actor.optimizer.lr_scheduler_type must be constant, linear or cosine, got {kind!r}")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def loss_config(actor_cfg: Any) -> dict[str, Any]:
+    """The keys the registered losses read (see recipe.common.cfg_get), from the runtime's actor config."""
+    return {
+        "m2_threshold": actor_cfg.m2_threshold,
+        "m2_scope": "local",  # inside the loss call; the actor's batch selector covers the mini-batch (module doc)
+        "eps_clip": actor_cfg.eps_clip,
+        "eps_clip_higher": actor_cfg.eps_clip_higher,
+        "c_clip": actor_cfg.c_clip,
+        "fipo_decay_rate": actor_cfg.fipo_decay_rate,
+        "fipo_clip_ratio_c": actor_cfg.fipo_clip_ratio_c,
+        "fipo_influence_clip_ratio": actor_cfg.fipo_influence_clip_ratio,
+        "fipo_influence_clip_high_only": actor_cfg.fipo_influence_clip_high_only,
+        "fipo_safety_threshold": actor_cfg.fipo_safety_threshold,
+        "global_batch_info": {},
+    }
+
+
+def combine_micro_batch_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """One value per key from the loss metrics of a mini-batch's micro-batches, ``parts = [(valid tokens,
+    metrics)]``, exact for the conventions of the registered losses: keys ending in ``_max`` take the max, counts
+    (``num_`` keys) the sum, everything else is a per-token mean of its micro-batch and is weighted by the
+    micro-batch's valid-token count (a plain mean would over-weight a short micro-batch). With no valid tokens at
+    all, plain means."""
+    keys = sorted(set().union(*(m for _, m in parts))) if parts else []
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [(w, m[k]) for w, m in parts if k in m]
+        leaf = k.rsplit("/", 1)[-1]
+        if leaf.endswith("_max"):
+            out[k] = max(v for _, v in vals)
+        elif leaf.startswith("num_"):
+            out[k] = sum(v for _, v in vals)
+        elif sum(w for w, _ in vals) > 0:
+            out[k] = sum(w * v for w, v in vals) / sum(w for w, _ in vals)
+        else:
+            out[k] = sum(v for _, v in vals) / len(vals)
+    return out
+
+
+class Actor:
+    def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
+                 dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None):
+        self.model = model
+        # Mixed precision: fp32 master parameters stepped by the optimizer, forward/backward under autocast.
+        low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        if low:
+            raise ValueError(
+                f"the actor trains float32 master parameters, but {len(low)} parameter(s) are "
+                f"{dict(model.named_parameters())[low[0]].dtype} (first: {low[0]}). Load the model in float32 and "
+                "set actor.dtype=bfloat16 for bf16 compute (stalerl.core.model.load_policy_from_config does this)")
+        self.compute_dtype = parse_dtype(getattr(actor_cfg, "dtype", "float32"))
+        # Dropout off: the behaviour pass runs in eval mode, so the training forward must be dropout-free too for an
+        # on-policy log-ratio of exactly 0 and an update that does not depend on the micro-batch split.
+        disable_dropout(model)
+        self._logits_to_keep = _accepts_logits_to_keep(model)
+        # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
+        # micro-batch's padded width, which would make the update depend on the split.
+        self.loss_scale_factor = loss_scale_factor
+        self.cfg = actor_cfg
+        self.temperature = float(temperature)
+        self.dp = dp or DataParallel()
+        self.device = next(model.parameters()).device
+        self.spec = get_policy_loss_spec(actor_cfg.loss)
+        self.total_updates = max(1, total_updates)
+        self.optimizer = build_optimizer(model, actor_cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
+        self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
+        self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
+
+    # ---------------------------------------------------------------- log-probs
+    def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
+        input_ids = mb.input_ids().to(self.device)
+        attn = mb.attention_mask().to(self.device)
+        p = mb.prompt_ids.shape[1]
+        r = mb.response_ids.shape[1]
+        kwargs = {}
+        if self._logits_to_keep:
+            # Only the last r+1 positions: the prompt's logits (rows x prompt x vocab) are never computed.
+            kwargs["logits_to_keep"] = r + 1
+        with autocast_context(self.device, self.compute_dtype):
+            out = self.model(input_ids=input_ids, attention_mask=attn.long(),
+                             position_ids=position_ids_from_mask(attn), use_cache=False, **kwargs)
+        # logits at position t predict token t+1: the response tokens are predicted from columns p-1 .. p+r-2
+        # (the first r of the r+1 kept columns).
+        logits = out.logits[:, :r] if self._logits_to_keep else out.logits[:, p - 1:p + r - 1]
+        return token_logprobs(logits, mb.response_ids.to(self.device), self.temperature)
+
+    def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        """Consecutive rows packed while rows x padded width stays within max_tokens_per_mb (at least one row)."""
+        prompt_len = batch.prompt_mask.sum(dim=1).tolist()
+        resp_len = batch.response_mask.sum(dim=1).tolist()
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        p_max = r_max = 0
+        for i in range(batch.num_rows):
+            np_, nr = max(p_max, prompt_len[i]), max(r_max, resp_len[i])
+            if cur and (len(cur) + 1) * (np_ + nr) > self.max_tokens_per_mb:
+                groups.append(cur)
+                cur, p_max, r_max = [], 0, 0
+                np_, nr = prompt_len[i], resp_len[i]
+            cur.append(i)
+            p_max, r_max = np_, nr
+        if cur:
+            groups.append(cur)
+        return groups
+
+    @torch.no_grad()
+    def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs of the batch's responses under the current weights (no grad), (N, R) on CPU, 0 on padding."""
+        was_training = self.model.training
+        self.model.eval()
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        micro = self.micro_batches(batch)
+        for rows in micro:
+            mb = batch.select(rows)
+            lp = self._forward_logp(mb).cpu()
+            out[rows, :lp.shape[1]] = torch.where(mb.response_mask, lp, torch.zeros_like(lp))
+        for _ in range(self._missing_passes(len(micro))):
+            fsdp.dummy_forward(self.model, self.device)
+        self.model.train(was_training)
+        return out
+
+    def _missing_passes(self, n_micro: int) -> int:
+        """Sharded model: forward passes this rank must add so every rank runs as many as the busiest one (each
+        forward all-gathers the layers). 0 for a replicated model."""
+        if not self.sharded or self.dp.size == 1:
+            return 0
+        return fsdp.max_over_ranks(n_micro, self.dp.group) - n_micro
+
+    # ---------------------------------------------------------------- sharding (actor.backend=fsdp:dY)
+    def shard(self, dtype: str = "float32", *, copy_model: bool = False,
+              lr_scheduler_state: Optional[dict] = None, optimizer_state_follows: bool = False) -> None:
+        """Shard the model over the data-parallel group with FSDP2 and rebuild the optimizer over the shards.
+
+        Collective: every rank calls it at the same point, with the same ``optimizer_state_follows`` (rank 0 then
+        broadcasts the optimizer state it had before sharding, e.g. from a checkpoint). ``copy_model``: shard a copy
+        and leave ``self.model``'s original unsharded for the caller (rank 0 keeps it to evaluate, publish and
+        save). The replicas must be identical before this (broadcast rank 0's weights first)."""
+        if self.sharded:
+            return
+        import copy
+
+        carried = None
+        if optimizer_state_follows and self.dp.rank == 0:
+            carried = fsdp.optimizer_state_by_name(self.model, self.optimizer.state_dict())
+        model = copy.deepcopy(self.model) if copy_model else self.model
+        self.model = fsdp.shard_model(model, self.dp.size, dtype)
+        self.device = next(self.model.parameters()).device
+        self.sharded = True
+        scheduler_state = lr_scheduler_state or self.lr_scheduler.state_dict()
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.optimizer, self.total_updates)
+        self.lr_scheduler.load_state_dict(scheduler_state)
+        if optimizer_state_follows:
+            fsdp.load_full_optimizer_state(self.model, self.optimizer, carried)
+
+    @property
+    def has_pending_optimizer_state(self) -> bool:
+        """Not sharded yet and the optimizer has state (a restored checkpoint) that shard() must carry over."""
+        return not self.sharded and bool(self.optimizer.state)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Sharded: collective, the full weights on rank 0 (CPU) and {} elsewhere. Replicated: the local weights."""
+        if self.sharded:
+            return fsdp.full_model_state(self.model)
+        return self.model.state_dict()
+
+    # ---------------------------------------------------------------- update
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp.size > 1:
+            torch.distributed.all_reduce(t, group=self.dp.group)
+        return t
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor,
+               minibatch_sizes: Optional[list[int]] = None) -> dict[str, float]:
+        """ppo_n_minibatches optimizer steps over the batch; returns step metrics (means over mini-batches).
+
+        ``minibatch_sizes``: this rank's rows of each global mini-batch, in order (data parallelism: the controller
+        cuts the batch into mini-batches first and shards each, so rank count cannot change the mini-batches)."""
+        self.model.train()
+        n_mini = int(self.cfg.ppo_n_minibatches)
+        if minibatch_sizes is None:
+            # Exactly n_mini mini-batches, even if some are empty: every data-parallel rank must take the same
+            # number of optimizer steps (each one joins collectives).
+            chunks = [c.tolist() for c in torch.tensor_split(torch.arange(batch.num_rows), n_mini)]
+        else:
+            if len(minibatch_sizes) != n_mini or sum(minibatch_sizes) != batch.num_rows:
+                raise ValueError(f"minibatch_sizes {minibatch_sizes} must have {n_mini} entries summing to "
+                                 f"{batch.num_rows} rows")
+            bounds = [0]
+            for size in minibatch_sizes:
+                bounds.append(bounds[-1] + size)
+            chunks = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        per_step: list[dict[str, float]] = []
+        for chunk in chunks:
+            per_step.append(self._update_minibatch(batch.select(chunk), advantages[chunk]))
+        keys = set().union(*per_step)
+        return {k: sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in sorted(keys)}
+
+    def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor) -> dict[str, float]:
+        adv = adv[:, :mini.response_ids.shape[1]]
+        micro = self.micro_batches(mini)
+        totals = self._all_reduce_sum(torch.tensor([float(mini.num_response_tokens), float(mini.num_rows)],
+                                                   dtype=torch.float64))
+        cfg = loss_config(self.cfg)
+        cfg["global_batch_info"] = {"dp_size": self.dp.size, "batch_num_tokens": int(totals[0]),
+                                    "global_batch_size": int(totals[1]), "loss_scale_factor": self.loss_scale_factor}
+        extra_full: dict[str, torch.Tensor] = {}
+        selection_metrics: dict[str, float] = {}
+        if self.spec.batch_selector is not None and (len(micro) > 1 or self.dp.size > 1):
+            # One selection per mini-batch (no-grad forward over every micro-batch first), so splitting the
+            # mini-batch into micro-batches or ranks cannot change which tokens are masked.
+            current = self.compute_logp(mini)
+            across_ranks = self.dp.size > 1 and self.cfg.m2_scope == "dp_group"
+            selected = self.spec.batch_selector(mini.behavior_logp, current, adv, mini.response_mask, config=cfg,
+                                                group=self.dp.group if across_ranks else None)
+            selection = selected.pop("selection", None)
+            if selection is not None:
+                selection_metrics = selection.metrics()
+            extra_full = selected
+
+        loss_sum = 0.0
+        metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch
+        sq_sum, n_tokens, max_abs = 0.0, 0.0, 0.0  # M2 over all valid tokens, for comparisons across losses
+        max_log_ratio = -math.inf  # the largest importance ratio, for every loss (not only no_trust_region)
+        for rows in micro:
+            mb = mini.select(rows)
+            width = mb.response_ids.shape[1]
+            lp = self._forward_logp(mb)
+            kwargs = {k: v[rows, :width].to(self.device) for k, v in extra_full.items()}
+            loss, metrics = self.spec.fn(
+                old_log_prob=mb.behavior_logp.to(self.device), log_prob=lp, advantages=adv[rows, :width].to(self.device),
+                response_mask=mb.response_mask.to(self.device), loss_agg_mode=self.cfg.loss_agg_mode, config=cfg,
+                rollout_is_weights=None, **kwargs)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            metric_parts.append((float(mb.response_mask.sum()), {k: float(v) for k, v in metrics.items()}))
+            with torch.no_grad():
+                d = torch.where(mb.response_mask, lp.detach().cpu() - mb.behavior_logp, torch.zeros(()))
+                sq_sum += float((d * d).sum())
+                n_tokens += float(mb.response_mask.sum())
+                max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+                if bool(mb.response_mask.any()):
+                    max_log_ratio = max(max_log_ratio, float(d[mb.response_mask].max()))
+        for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
+            fsdp.dummy_forward(self.model, self.device).backward()
+        if self.dp.size > 1:
+            if not self.sharded:  # FSDP2 has already averaged the gradients in its reduce-scatters
+                # Flattened buckets, one all-reduce each; a rank with no rows joins with zero gradients.
+                fsdp.all_reduce_gradients(self.model.parameters(), self.dp.group, self.dp.size)
+            loss_t = self._all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))
+            loss_sum = float(loss_t[0]) / self.dp.size
+        # gradient_clipping=0 means no clipping (clip_grad_norm_(max_norm=0) would zero every gradient); the norm is
+        # still measured (max_norm=inf scales by 1) for the log.
+        clip = float(self.cfg.optimizer.gradient_clipping)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        lr_used = float(self.optimizer.param_groups[0]["lr"])  # this step's rate; scheduler.step() sets the next
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
+        out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
+        out["actor/loss"] = loss_sum
+        out["actor/grad_norm"] = fsdp.to_float(grad_norm)
+        out["actor/lr"] = lr_used
+        out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
+        out["actor/log_ratio_abs_max"] = max_abs
+        out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
+        out["actor/num_micro_batches"] = float(len(micro))
+        return out
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded: collective; the full state on rank 0 (optimizer keyed by parameter name), empty elsewhere."""
+        if self.sharded:
+            state = fsdp.full_state_dict(self.model, self.optimizer)
+            state.update(lr_scheduler=self.lr_scheduler.state_dict(), format=fsdp.FULL_STATE_FORMAT)
+            return state
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A full state from either engine: the plain optimizer's (keyed by index) or a sharded run's (keyed by
+        parameter name), so a run can resume with the other engine or rank count. Into a sharded actor: collective."""
+        if state.get("format") == fsdp.FULL_STATE_FORMAT:
+            if self.sharded:
+                fsdp.load_full_model_state(self.model, state.get("model"))
+                fsdp.load_full_optimizer_state(self.model, self.optimizer, state.get("optimizer"))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(fsdp.optimizer_state_by_index(self.model, state["optimizer"]))
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,0 +1,440 @@
+"""Asynchronous RL: X rollout workers generate while Y data-parallel train ranks train ("dX+dY").
+
+Threads of the controller process (which is also train rank 0):
+- the trainer thread (``train``): waits for a batch the staleness manager allows, trains on it with all ranks,
+  publishes the new weights, advances the version, logs, evaluates, checkpoints;
+- the dispatcher thread: admits prompt groups while the manager has capacity, hands them to the least loaded
+  rollout worker, collects results, and watches every worker process.
+
+Strictness: see :mod:`stalerl.rollout.admission` (a consumed sample is never more than
+``rollout.max_head_offpolicyness`` versions behind; ``consume`` asserts it). Weights are queued to every rollout
+worker before any task admitted at the new version, and are installed between generations (never half-written).
+
+Failure: a worker that raises or dies stops the run with its exit code and the tail of its log; if the trainer
+thread is stuck in a collective with a dead rank, the watchdog ends the process after a grace period. Checkpoints
+are atomic, so the last one stays valid.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from stalerl.training.actor import DataParallel
+from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, parse_backend
+from stalerl.core.io import atomic_torch_save
+from stalerl.rollout.admission import StalenessManager
+from stalerl.rollout.batch import concat_batches
+from stalerl.training.staleness import staleness_stats
+from stalerl.training.trainer import Trainer
+from stalerl.training.workers.hosting import make_hosting, worker_resources
+from stalerl.training.workers.process import WorkerFailure, WorkerProcess, failure_exit_code
+from stalerl.training.workers.rollout_worker import from_wire, to_wire
+from stalerl.training.workers.train_worker import broadcast_parameters, init_group
+
+FAILURE_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AsyncTrainer(Trainer):
+    def __init__(self, cfg: ExperimentConfig, *, log=print):
+        super().__init__(cfg, log=log)
+        self.n_rollout = parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
+        train_backend = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES)
+        self.n_train = train_backend.dp
+        # fsdp:dY, Y > 1: the train ranks shard the model (stalerl.training.fsdp); rank 0 keeps self.model unsharded as the
+        # copy it evaluates, publishes and saves. fsdp:d1 has nothing to shard over and runs the plain engine.
+        self.fsdp = train_backend.engine == "fsdp" and self.n_train > 1
+        b = cfg.rollout.consumer_batch_size
+        self.manager = StalenessManager(b, cfg.rollout.max_head_offpolicyness,
+                                        cfg.rollout.max_concurrent_rollouts or b, queue_size=cfg.rollout.queue_size)
+        self.cond = threading.Condition()
+        self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
+        self.hosting = make_hosting(cfg, self.run_dir / "logs")
+        self.results = self.hosting.results
+        self.rollout_workers: list[WorkerProcess] = []
+        self.train_workers: list[WorkerProcess] = []
+        self.outstanding: dict[str, int] = {}  # tasks queued per rollout worker
+        self.train_replies: dict[str, Any] = {}
+        self.ready: set[str] = set()
+        self.failure: Optional[WorkerFailure] = None
+        self.stop_event = threading.Event()
+        self.dispatcher: Optional[threading.Thread] = None
+        self.counters = {"gen_tokens": 0, "gen_seconds": 0.0, "sync_seconds": 0.0, "admission_wait_s": 0.0,
+                         "gen_reward_sum": 0.0, "gen_reward_n": 0}
+        self.tasks_to_resubmit: list = []
+        self.weights_published = False  # nothing is admitted before the version-0 weights exist
+        self.latest_weights: Any = None  # (version, worker method, shared state or file path)
+        self.sent_version: dict[str, int] = {}
+        self.loaded_version: dict[str, int] = {}
+        self.weight_files: dict[int, Any] = {}
+
+    def _rollout_in_workers(self) -> bool:
+        return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_workers(self) -> None:
+        total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches
+        res = worker_resources(self.cfg)
+        gpus = self._local_gpu_plan(res)
+        self.hosting.reserve("rollout", self.n_rollout, res)
+        self.hosting.reserve("train", self.n_train - 1, res)  # rank 0 is this controller
+        self._start_dispatcher()
+        if self.n_train > 1:
+            init_method = f"tcp://{self.hosting.host_address()}:{free_port()}"
+            for rank in range(1, self.n_train):
+                self.train_workers.append(self.hosting.spawn(
+                    f"train/{rank}", "stalerl.training.workers.train_worker", "TrainWorker",
+                    dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
+                         total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}")))
+            group = init_group(0, self.n_train, init_method, timeout_s=300.0)
+            self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
+        for i in range(self.n_rollout):
+            w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",
+                                   dict(cfg=self.cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
+            self.rollout_workers.append(w)
+            self.outstanding[w.role] = 0
+        self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
+
+    def _local_gpu_plan(self, res) -> dict[str, int]:
+        """Local scheduler on CUDA: rank 0 (this process) keeps GPU 0, train ranks 1..Y-1 and the X rollout workers
+        get one device each. Not enough GPUs is an error before anything starts (no silent sharing)."""
+        if self.hosting.name != "local" or not res.gpus:
+            return {}
+        roles = [f"train/{r}" for r in range(1, self.n_train)] + [f"rollout/{i}" for i in range(self.n_rollout)]
+        have = torch.cuda.device_count()
+        if 1 + len(roles) > have:
+            raise RuntimeError(f"actor.backend={self.cfg.actor.backend!r} + rollout.backend={self.cfg.rollout.backend!r} "
+                               f"need {1 + len(roles)} GPUs on this machine (one per process), {have} visible")
+        return {role: i + 1 for i, role in enumerate(roles)}
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        if self.dispatcher is not None:
+            self.dispatcher.join(5)
+        for w in self.rollout_workers + self.train_workers:
+            w.stop()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.hosting.close()
+        for path in self.weight_files.values():  # transient sync files; the final model is saved separately
+            path.unlink(missing_ok=True)
+
+    def _start_dispatcher(self) -> None:
+        self.dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+        self.dispatcher.start()
+
+    def _wait(self, predicate, what: str) -> None:
+        with self.cond:
+            while not predicate():
+                self._raise_if_failed()
+                self.cond.wait(0.1)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ------------------------------------------------------------------ dispatcher thread
+    def _dispatch_loop(self) -> None:
+        try:
+            self._dispatch()
+        except BaseException:  # noqa: BLE001 - a dead dispatcher must stop the run, never leave it waiting
+            self._fail(WorkerFailure("dispatcher", None, traceback.format_exc()))
+
+    def _dispatch(self) -> None:
+        idle_since: Optional[float] = None
+        while not self.stop_event.is_set():
+            self._check_processes()
+            admitted = self._admit()
+            idle = any(self.outstanding[w.role] == 0 for w in self.rollout_workers) and self.ready
+            if idle and not admitted and self.manager.capacity() == 0 and not self._data_exhausted():
+                idle_since = idle_since or time.perf_counter()
+            elif idle_since is not None:
+                self.counters["admission_wait_s"] += time.perf_counter() - idle_since
+                idle_since = None
+            try:
+                msg = self.results.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            self._handle(msg)
+
+    def _check_processes(self) -> None:
+        if self.failure is not None:
+            return
+        for w in self.rollout_workers + self.train_workers:
+            failure = w.failure()
+            if failure is not None:
+                self._fail(failure)
+                return
+
+    def _fail(self, failure: WorkerFailure) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = failure
+            self.cond.notify_all()
+
+        def watchdog():
+            # The trainer thread raises at its next wait; if it is blocked inside a collective with a dead rank it
+            # never gets there, so end the process ourselves (checkpoints are atomic: the last one stays valid).
+            time.sleep(FAILURE_GRACE_S)
+            if not self.stop_event.is_set():
+                print(f"\nstalerl: {failure}\nstalerl: the trainer did not stop within {FAILURE_GRACE_S:.0f}s; "
+                      "exiting", flush=True)
+                os._exit(failure_exit_code(failure))
+
+        threading.Thread(target=watchdog, daemon=True).start()
+
+    def _data_exhausted(self) -> bool:
+        return self.manager.admitted_total >= self.total_steps * self.manager.batch_size
+
+    def _next_prompt(self):
+        if not self.prompts:
+            self.prompts.extend(self.dataset.next_batch())
+        return self.prompts.popleft()
+
+    def _admit(self) -> int:
+        if not self.weights_published or self.failure is not None:
+            return 0
+        with self.cond:
+            tasks = list(self.tasks_to_resubmit)
+            self.tasks_to_resubmit = []
+            n = self.manager.capacity()
+            if not self._data_exhausted():
+                n = min(n, self.total_steps * self.manager.batch_size - self.manager.admitted_total)
+                for _ in range(n):
+                    e = self._next_prompt()
+                    tasks.append(self.manager.admit(payload=(e.question, e.final)))
+            if not tasks:
+                return 0
+            # Spread over the least loaded workers; each worker gets one batched generate call.
+            shares: dict[str, list] = {}
+            for t in tasks:
+                w = min(self.rollout_workers, key=lambda w: (self.outstanding[w.role] + len(shares.get(w.role, [])),
+                                                             w.role))
+                shares.setdefault(w.role, []).append((t.task_id, *t.payload))
+            for w in self.rollout_workers:
+                if w.role in shares:
+                    self._send_latest_weights(w)  # queued before the tasks: they never run on older weights
+                    self.outstanding[w.role] += len(shares[w.role])
+                    w.call("generate", shares[w.role])
+            return len(tasks)
+
+    def _handle(self, msg) -> None:
+        role, kind, _, out = msg
+        with self.cond:
+            if kind == "ready":
+                self.ready.add(role)
+            elif kind == "error":
+                worker = next((w for w in self.rollout_workers + self.train_workers if w.role == role), None)
+                self._fail(WorkerFailure(role, None, out, worker.log_path if worker else None))
+            elif role.startswith("rollout/"):
+                if isinstance(out, dict) and "results" in out:
+                    for task_id, state in out["results"]:
+                        self.manager.finish(task_id, state, head_version=out["version"])
+                    self.outstanding[role] -= len(out["results"])
+                    self.counters["gen_tokens"] += out["tokens"]
+                    self.counters["gen_seconds"] += out["seconds"]
+                    for _, state in out["results"]:  # reward/generated: at generation end, not consumption
+                        self.counters["gen_reward_sum"] += float(state["rewards"].sum())
+                        self.counters["gen_reward_n"] += len(state["rewards"])
+                else:  # a weight load
+                    self.counters["sync_seconds"] += out["seconds"]
+                    self.loaded_version[role] = out["version"]
+                    self._delete_unneeded_weight_files()
+            else:
+                self.train_replies[role] = out
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ weights
+    def publish_weights(self) -> float:
+        """Make the current weights (version = self.step) the ones every later task is generated with.
+
+        Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
+        so a busy worker never accumulates a backlog of weight sets, file handles or files."""
+        start = time.perf_counter()
+        version = self.step
+        if self.cfg.rollout.weight_sync == "shared_memory":
+            self.latest_weights = (version, "load_weights", self.hosting.share(self.model.state_dict()))
+        else:
+            path = self.run_dir / "weights" / f"v{version}.pt"
+            atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
+            self.weight_files[version] = path
+            self.latest_weights = (version, "load_weights_from_file", str(path))
+            self._delete_unneeded_weight_files()
+        return time.perf_counter() - start
+
+    def _send_latest_weights(self, worker) -> None:
+        version, method, payload = self.latest_weights
+        if self.sent_version.get(worker.role, -1) < version:
+            worker.call(method, version, payload)
+            self.sent_version[worker.role] = version
+
+    def _delete_unneeded_weight_files(self) -> None:
+        """Disk sync: keep only the newest file and those sent to a worker that has not loaded them yet (a version
+        that was never sent never will be: sending is coalesced to the newest)."""
+        if not self.weight_files:
+            return
+        needed = {self.latest_weights[0]}
+        needed |= {v for role, v in self.sent_version.items() if self.loaded_version.get(role, -1) < v}
+        for version in [v for v in self.weight_files if v not in needed]:
+            self.weight_files.pop(version).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ checkpoint
+    def checkpoint_state(self) -> dict[str, Any]:
+        actor_state = None
+        if self.fsdp:  # a collective: gathered before taking the lock, with every train rank
+            for w in self.train_workers:
+                w.call("actor_state")
+            actor_state = self.actor.state_dict()
+            self._collect_train_replies("actor_state")
+        with self.cond:
+            state = super().checkpoint_state(actor_state)
+            state["manager"] = self.manager.state_dict()
+            state["prompts"] = list(self.prompts)
+            state["dataset"] = self.dataset.state_dict()
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.prompts = deque(state["prompts"])
+        self.tasks_to_resubmit = self.manager.load_state_dict(state["manager"])
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        try:
+            return self._train()
+        except WorkerFailure:
+            raise
+        except BaseException as exc:
+            # A dead train rank shows up in rank 0 as a collective error; report the worker's own failure instead.
+            deadline = time.time() + 3.0
+            while self.failure is None and time.time() < deadline:
+                self._check_processes()
+                time.sleep(0.1)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
+        finally:
+            self.shutdown()
+
+    def _train(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.start_workers()
+        self.startup_seconds = time.perf_counter() - start
+        self.log(f"{self.n_rollout} rollout + {self.n_train} train workers up in {self.startup_seconds:.1f}s")
+        return super().train()
+
+    def on_training_start(self) -> None:
+        """After warm start / restore: every rank and rollout worker gets rank 0's weights."""
+        if self.n_train > 1:
+            for w in self.train_workers:
+                w.call("sync_parameters")
+            broadcast_parameters(self.model, self.actor.dp.group)
+            self._collect_train_replies("sync_parameters")
+            if self.fsdp:
+                # Identical replicas now; shard them all (a restored optimizer state is broadcast from rank 0).
+                follows = self.actor.has_pending_optimizer_state
+                for w in self.train_workers:
+                    w.call("shard", follows, self.actor.lr_scheduler.state_dict())
+                self.actor.shard(self.cfg.actor.dtype, copy_model=True, optimizer_state_follows=follows)
+                self._collect_train_replies("shard")
+            elif self.step > 0:
+                state = self.actor.state_dict()
+                for w in self.train_workers:
+                    w.call("load_actor_state", state)
+                self._collect_train_replies("load_actor_state")
+        with self.cond:
+            self.publish_weights()
+            self.weights_published = True
+            self.cond.notify_all()
+
+    def _collect_train_replies(self, what: str) -> list:
+        roles = [w.role for w in self.train_workers]
+        self._wait(lambda: all(r in self.train_replies for r in roles), what)
+        with self.cond:
+            return [self.train_replies.pop(r) for r in roles]
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with self.cond:
+            while True:
+                self._raise_if_failed()
+                if self.dispatcher is not None and not self.dispatcher.is_alive():
+                    raise RuntimeError("the dispatcher thread stopped; see the traceback above")
+                tasks = self.manager.ready_batch()
+                if tasks is not None:
+                    self.manager.consume(tasks)
+                    break
+                self.cond.wait(0.05)
+            queue_depth = len(self.manager.finished)
+            running = len(self.manager.running)
+            counters = dict(self.counters)
+            for k in ("gen_tokens", "gen_seconds", "sync_seconds", "admission_wait_s", "gen_reward_sum",
+                      "gen_reward_n"):
+                self.counters[k] = 0 if k in ("gen_tokens", "gen_reward_n") else 0.0
+        wait_s = time.perf_counter() - t0
+        batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
+        stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
+        assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
+        advantages = self.advantages(batch)
+        t1 = time.perf_counter()
+        metrics = self._update(batch, advantages)
+        t_train = time.perf_counter() - t1
+        with self.cond:
+            self.step += 1
+            self.manager.advance()
+            publish_s = self.publish_weights()
+            self.cond.notify_all()
+        metrics.update(stale)
+        metrics.update({
+            "rollout/queue_depth": float(queue_depth), "rollout/running": float(running),
+            "timing/wait_for_data_s": wait_s, "timing/train_s": t_train, "timing/weight_publish_s": publish_s,
+            "timing/weight_load_s": counters["sync_seconds"], "timing/admission_wait_s": counters["admission_wait_s"],
+            "timing/step_s": time.perf_counter() - t0,
+            "throughput/gen_tokens_per_s": counters["gen_tokens"] / counters["gen_seconds"]
+            if counters["gen_seconds"] else 0.0,
+            "throughput/train_tokens_per_s": float(batch.attention_mask().sum()) / t_train if t_train else 0.0,
+            "version": float(self.step),
+        })
+        metrics.update(self.batch_metrics(batch))
+        if counters["gen_reward_n"]:  # samples finished generating since the last step
+            metrics["reward/generated"] = counters["gen_reward_sum"] / counters["gen_reward_n"]
+        return metrics
+
+    def _update(self, batch, advantages) -> dict[str, float]:
+        if self.n_train == 1:
+            return self.actor.update(batch, advantages)
+        # Cut the batch into the global mini-batches first, then give every rank an even share of each, so the
+        # optimizer steps are the same whatever the number of ranks.
+        rank_rows: list[list[int]] = [[] for _ in range(self.n_train)]
+        rank_sizes: list[list[int]] = [[] for _ in range(self.n_train)]
+        for mini in torch.tensor_split(torch.arange(batch.num_rows), self.cfg.actor.ppo_n_minibatches):
+            for rank, share in enumerate(torch.tensor_split(mini, self.n_train)):
+                rank_rows[rank] += share.tolist()
+                rank_sizes[rank].append(int(share.numel()))
+        for rank, w in enumerate(self.train_workers, start=1):
+            sub = batch.select(rank_rows[rank])
+            w.call("update", to_wire(sub.state()), advantages[rank_rows[rank], :sub.response_ids.shape[1]].numpy(),
+                   rank_sizes[rank])
+        own = batch.select(rank_rows[0])
+        metrics = self.actor.update(own, advantages[rank_rows[0], :own.response_ids.shape[1]],
+                                    minibatch_sizes=rank_sizes[0])
+        if self.fsdp:  # every rank joins the gather; rank 0's unsharded copy gets the new weights to publish
+            with torch.no_grad():
+                self.model.load_state_dict(self.actor.full_model_state())
+        self._collect_train_replies("update")
+        return metrics

@@ -1,0 +1,99 @@
+"""A rollout worker: its own copy of the policy, weights installed by version, tasks generated in batches.
+
+Weight updates never interrupt a generation: a ``load_weights`` command is served between two ``generate`` calls,
+so every token of a sample carries the version its generation started with (no partial rollouts, so the sample's
+head version is its only version). The controller queues the weights before any task admitted afterwards, so a
+task is always generated with weights at least as new as its admission version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalerl.core.model import PromptFormatter, load_policy_from_config
+from stalerl.core.reward import gsm8k_reward
+from stalerl.rollout.batch import RolloutBatch
+from stalerl.rollout.engine import HFRolloutEngine, generation_seed
+
+
+def to_wire(state: dict[str, Any]) -> dict[str, Any]:
+    """Tensors as numpy arrays, so a batch crosses a process boundary by value (no shared-memory handles to leak)."""
+    return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def from_wire(state: dict[str, Any]) -> RolloutBatch:
+    return RolloutBatch.from_state({k: (torch.from_numpy(v if v.flags.writeable else v.copy())
+                                    if isinstance(v, np.ndarray) else v)
+                                    for k, v in state.items()})
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Any, index: int = 0):
+        torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.index = index
+        model, tokenizer = load_policy_from_config(cfg)
+        self.model = model
+        self.is_vllm = cfg.rollout.backend.split(":", 1)[0] == "vllm"
+        if self.is_vllm:
+            from stalerl.config import run_dir
+            from stalerl.rollout.vllm_engine import build_vllm_engine
+
+            # Started from this process's initial weights (the architecture); the controller's weights arrive
+            # through load_weights before any task, so nothing is generated with these.
+            self.engine = build_vllm_engine(cfg, model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+                                            work_dir=run_dir(cfg) / "vllm" / f"rollout-{index}", track_source=False)
+        else:
+            self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+                                          version=-1, compute_dtype=cfg.actor.dtype)
+        # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
+        # weights live (the trainer has moved on by the time it consumes the batch).
+        self.recompute = None
+        if cfg.actor.behavior_logp == "recompute":
+            from stalerl.training.actor import Actor
+
+            self.recompute = Actor(model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=1)
+        print(f"rollout worker {index} ready (pid {os.getpid()})", flush=True)
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        start = time.perf_counter()
+        self._install(state_dict, version)
+        return {"version": version, "seconds": time.perf_counter() - start}
+
+    def load_weights_from_file(self, version: int, path: str) -> dict[str, float]:
+        start = time.perf_counter()
+        self._install(torch.load(path, map_location="cpu", weights_only=True), version)
+        return {"version": version, "seconds": time.perf_counter() - start}
+
+    def _install(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        if self.is_vllm and self.recompute is not None:
+            self.model.load_state_dict(state_dict)  # the recompute forward needs the generating weights too
+        self.engine.load_weights(state_dict, version)
+
+    def generate(self, tasks: list[tuple[int, str, str]]) -> dict[str, Any]:
+        """One batched generate call over ``tasks`` = [(task_id, question, answer)]; returns each task's batch."""
+        if self.engine.version < 0:
+            raise RuntimeError("generate before any weights were loaded")
+        g = self.cfg.gconfig
+        torch.manual_seed(generation_seed(self.cfg.seed, tasks[0][0]))
+        seeds = {}
+        if self.is_vllm:  # per task, so a task samples the same tokens whatever batch it lands in
+            from stalerl.rollout.vllm_engine import sample_seeds
+
+            seeds["seeds"] = sample_seeds(self.cfg.seed, [t for t, _, _ in tasks], g.n_samples)
+        batch = self.engine.generate([q for _, q, _ in tasks], [a for _, _, a in tasks], n_samples=g.n_samples,
+                                     max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                     top_k=g.top_k, **seeds)
+        if self.recompute is not None:
+            batch.behavior_logp = self.recompute.compute_logp(batch)
+        out = []
+        for i, (task_id, _, _) in enumerate(tasks):
+            rows = (batch.group_ids == i).nonzero().squeeze(1).tolist()
+            out.append((task_id, to_wire(batch.select(rows).state())))
+        return {"results": out, "version": self.engine.version, "seconds": self.engine.last_generate_seconds,
+                "tokens": batch.num_response_tokens, "worker": self.index}

@@ -1,0 +1,31 @@
+"""Run several ``swift rlhf`` argument lists in one process, through ``swift.pipelines.rlhf_main`` (what the
+``swift rlhf`` command runs in its child process), so ms-swift's imports (~15 s of CPU) are paid once.
+
+Usage: ``python _swift_runs.py RUNS.json`` with a list of ``{"argv": [...], "env": {...}}``; each run's
+environment is applied for that run only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(path: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        runs = json.load(f)
+    from swift.pipelines import rlhf_main
+
+    for run in runs:
+        saved = dict(os.environ)
+        os.environ.update(run["env"])
+        try:
+            rlhf_main(run["argv"])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

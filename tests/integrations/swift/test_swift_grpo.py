@@ -1,0 +1,300 @@
+"""M2PO and the reference FIPO inside a real ``swift rlhf --rlhf_type grpo`` run (ms-swift 4.6, HF backend, CPU).
+
+Each run is the ms-swift command line, in a subprocess, on a tiny Qwen2 saved to a temporary folder and a tiny
+local prompt set, no vLLM, with ``num_iterations=2`` so the second optimizer step of each generation batch trains on
+stale data. A test-only plugin records what the recipe loss receives and returns, and the weights after training.
+Checked against that record:
+
+- the loss equals ``recipe.registry``'s, computed here in one call over each optimizer step's micro-batches
+  (concatenated), and M2PO's mask is the literal Algorithm 1 mask of that whole step (tests/unit/m2po_reference.py);
+- the metrics reach ms-swift's log (``log_history``), and M2PO masks something / FIPO's weights move off 1;
+- the same generation batch trained as 8 x 1, 4 x 2 and 2 x 4 (per-device batch x accumulation steps, plain SGD, no
+  gradient clipping, so a wrong scale would show) gives the same weights;
+- ms-swift's own ``grpo`` loss type still runs with the plugin loaded, and a bad setting fails before training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests" / "unit"))  # the literal references live beside the unit tests
+
+if importlib.util.find_spec("swift") is None:
+    if os.environ.get("STALERL_REQUIRE_SWIFT") == "1":
+        raise RuntimeError("STALERL_REQUIRE_SWIFT=1 but ms-swift is not importable; run scripts/ci_swift.sh")
+    pytest.skip("ms-swift is not installed (its own venv: scripts/ci_swift.sh)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from _swift_tiny import build_model_dir, write_dataset, write_plugins  # noqa: E402
+from m2po_reference import reference_m2po  # noqa: E402
+from recipe import swift as recipe_swift  # noqa: E402
+from recipe.registry import get_policy_loss_fn  # noqa: E402
+
+pytestmark = pytest.mark.swift
+
+NUM_GENERATIONS = 4
+GENERATION_BATCH = 8  # completions per optimizer step (2 prompts x 4)
+STEPS = 4  # 2 generation batches x num_iterations 2
+# fp32 sums in a different order: the same step split differently agrees to float rounding, not bitwise
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("swift")
+    reward, capture = write_plugins(root / "plugins")
+    return {"root": root, "model": build_model_dir(root / "model"), "data": write_dataset(root / "data.jsonl"),
+            "reward": reward, "capture": capture}
+
+
+def swift_argv(ws: dict[str, Path], name: str, loss_type: str, per_device: int, accumulation: int,
+               extra: list[str] | None = None, capture: bool = True) -> list[str]:
+    """``swift rlhf`` arguments: the adapter's plugin, the tiny model and data, plain SGD, no clipping, no vLLM."""
+    plugins = [recipe_swift.plugin_path(), str(ws["reward"])] + ([str(ws["capture"])] if capture else [])
+    return [
+        "--rlhf_type", "grpo", "--loss_type", loss_type, "--external_plugins", *plugins,
+        "--model", str(ws["model"]), "--model_type", "qwen2", "--template", "qwen2_5", "--torch_dtype", "float32",
+        "--check_model", "false", "--dataset", str(ws["data"]), "--split_dataset_ratio", "0",
+        "--dataset_num_proc", "1", "--reward_funcs", "tiny_parity", "--tuner_type", "full",
+        "--num_generations", str(NUM_GENERATIONS), "--per_device_train_batch_size", str(per_device),
+        "--gradient_accumulation_steps", str(accumulation), "--num_iterations", "2", "--max_steps", str(STEPS),
+        "--max_completion_length", "12", "--temperature", "1.0", "--beta", "0",
+        "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
+        "--max_grad_norm", "0", "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
+        "--report_to", "none", "--dataloader_num_workers", "0", "--seed", "0",
+        "--output_dir", str(ws["root"] / name),
+    ] + list(extra or [])
+
+
+def base_env(ws: dict[str, Path], name: str) -> dict[str, str]:
+    return {"SWIFT_TEST_CAPTURE": str(ws["root"] / name / "capture.pt"), "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def swift_cli(ws: dict[str, Path], name: str, loss_type: str, per_device: int, accumulation: int,
+              env: dict[str, str] | None = None, extra: list[str] | None = None, capture: bool = True,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """The ``swift rlhf`` command itself, in a subprocess."""
+    (ws["root"] / name).mkdir(parents=True, exist_ok=True)
+    cmd = [str(Path(sys.executable).parent / "swift"), "rlhf",
+           *swift_argv(ws, name, loss_type, per_device, accumulation, extra, capture)]
+    run_env = dict(os.environ, PYTHONPATH=str(REPO), **base_env(ws, name), **(env or {}))
+    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, f"swift rlhf failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def swift_in_one_process(ws: dict[str, Path], runs: list[dict[str, Any]]) -> None:
+    """Several runs through ``swift.pipelines.rlhf_main`` (what ``swift rlhf`` runs) in one child process."""
+    spec = []
+    for run in runs:
+        (ws["root"] / run["name"]).mkdir(parents=True, exist_ok=True)
+        spec.append({"argv": swift_argv(ws, run["name"], run["loss_type"], run["per_device"], run["accumulation"],
+                                        run.get("extra")),
+                     "env": {**base_env(ws, run["name"]), **run.get("env", {})}})
+    spec_file = ws["root"] / f"runs-{runs[0]['name']}.json"
+    spec_file.write_text(json.dumps(spec), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_swift_runs.py")), str(spec_file)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"swift runs failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+
+def load(ws: dict[str, Path], name: str) -> dict[str, Any]:
+    return torch.load(ws["root"] / name / "capture.pt", weights_only=False)
+
+
+def steps(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The records grouped by optimizer step (consecutive micro-batches, `accumulation` of them)."""
+    out, i = [], 0
+    while i < len(records):
+        n = records[i]["accumulation"]
+        out.append(records[i:i + n])
+        i += n
+    return out
+
+
+def flat(step: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """One step's tensor ``key`` on its valid tokens, row-major over micro-batches (the one-call order)."""
+    return torch.cat([r[key][r["response_mask"].bool()] for r in step])
+
+
+def one_call(loss_name: str, step: list[dict[str, Any]], config: dict[str, Any]) -> torch.Tensor:
+    """The registry loss over the whole step in one call: rows re-padded to one width, the step's own count."""
+    width = max(r["response_mask"].shape[1] for r in step)
+
+    def cat(key: str, fill: float) -> torch.Tensor:
+        rows = [torch.nn.functional.pad(r[key].float(), (0, width - r[key].shape[1]), value=fill) for r in step]
+        return torch.cat(rows)
+
+    mask = cat("response_mask", 0).bool()
+    loss, _ = get_policy_loss_fn(loss_name)(old_log_prob=cat("old_log_prob", 0), log_prob=cat("log_prob", 0),
+                                            advantages=cat("advantages", 0), response_mask=mask,
+                                            loss_agg_mode="token-mean", config=config)
+    return loss
+
+
+TAU = 0.05  # set through the environment (the adapter's route for the threshold; its default is 0.04)
+
+
+@pytest.fixture(scope="module")
+def runs(workspace) -> dict[str, dict[str, Any]]:
+    """One ``swift rlhf`` command (m2po, 4 x 2), then the other runs in one process (ms-swift imports paid once)."""
+    m2po_env = {"STALERL_M2_THRESHOLD": str(TAU)}
+    swift_cli(workspace, "m2po_4x2", "m2po", 4, 2, env=m2po_env)
+    swift_in_one_process(workspace, [
+        dict(name="m2po_8x1", loss_type="m2po", per_device=8, accumulation=1, env=m2po_env),
+        dict(name="m2po_2x4", loss_type="m2po", per_device=2, accumulation=4, env=m2po_env),
+        dict(name="fipo_ref", loss_type="fipo_ref", per_device=4, accumulation=2,
+             env={"STALERL_FIPO_DECAY_RATE": "16"}),
+        dict(name="grpo_builtin", loss_type="grpo", per_device=4, accumulation=2),
+    ])
+    names = ("m2po_4x2", "m2po_8x1", "m2po_2x4", "fipo_ref", "grpo_builtin")
+    return {name: load(workspace, name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def m2po_runs(runs) -> dict[int, dict[str, Any]]:
+    return {1: runs["m2po_8x1"], 2: runs["m2po_4x2"], 4: runs["m2po_2x4"]}
+
+
+def test_m2po_loss_and_mask_are_the_registry_and_the_literal_algorithm_1(m2po_runs):
+    masked_somewhere = partly_masked = False
+    for acc, run in m2po_runs.items():
+        for step in steps(run["records"]):
+            assert len(step) == acc and all(r["accumulation"] == acc for r in step)
+            config = step[0]["config"]
+            assert config["m2_threshold"] == TAU
+            assert config["global_batch_info"]["batch_num_tokens"] == int(flat(step, "response_mask").numel())
+            # the micro-batch losses (before the x accumulation that undoes HF's division) sum to the one-call loss
+            total = sum(r["loss"] for r in step)
+            torch.testing.assert_close(total, one_call("m2po", step, {"m2_threshold": TAU}), rtol=1e-5, atol=1e-7)
+            # the keep mask is Algorithm 1 over the whole step, literally
+            rows = [(r, i) for r in step for i in range(r["response_mask"].shape[0])]
+            d = [((r["log_prob"][i] - r["old_log_prob"][i]).float()[r["response_mask"][i].bool()]).tolist()
+                 for r, i in rows]
+            adv = [r["advantages"][i][r["response_mask"][i].bool()].tolist() for r, i in rows]
+            width = max(len(x) for x in d)
+            pad = lambda xs: [x + [0.0] * (width - len(x)) for x in xs]  # noqa: E731
+            valid = [[1] * len(x) + [0] * (width - len(x)) for x in d]
+            literal = reference_m2po(pad(d), pad(adv), valid, TAU)
+            expected = torch.tensor([k for row, v in zip(literal["keep"], valid) for k, ok in zip(row, v) if ok],
+                                    dtype=torch.bool)
+            got = flat(step, "keep_mask").bool()
+            assert torch.equal(got, expected)
+            in_t = torch.tensor([t for row, v in zip(literal["in_t"], valid) for t, ok in zip(row, v) if ok],
+                                dtype=torch.bool)
+            masked_somewhere |= bool((~got).any())
+            partly_masked |= bool((~got).any() and (got & in_t).any())
+    assert masked_somewhere, "no token was ever masked: the test data does not exercise the selection"
+    assert partly_masked, "every step masked all or none of its trust region: tau does not exercise the selection"
+
+
+def test_m2po_metrics_reach_swift_logs(m2po_runs):
+    logs = [entry for entry in m2po_runs[2]["log_history"] if "m2po/m2_before" in entry]
+    assert len(logs) == STEPS
+    assert {"m2po/masked_fraction", "m2po/num_valid_tokens", "m2po/threshold"} <= set(logs[0])
+    assert any(entry["m2po/m2_before"] > 0 for entry in logs)
+
+
+def test_same_generation_batch_split_differently_gives_the_same_weights(m2po_runs, workspace):
+    from safetensors.torch import load_file
+
+    initial = load_file(str(workspace["model"] / "model.safetensors"))
+    reference = m2po_runs[1]
+    moved = max((reference["state_dict"][k] - v).abs().max().item() for k, v in initial.items())
+    assert moved > 1e-3, "training did not move the weights"
+    for acc in (2, 4):
+        run = m2po_runs[acc]
+        for a, b in zip(steps(reference["records"]), steps(run["records"])):  # the same data, the same advantages
+            torch.testing.assert_close(flat(a, "old_log_prob"), flat(b, "old_log_prob"), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(flat(a, "advantages"), flat(b, "advantages"))
+        worst = 0.0
+        for key, value in reference["state_dict"].items():
+            torch.testing.assert_close(run["state_dict"][key], value, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
+                                       msg=lambda m: f"{key} after {STEPS} steps, 8x1 vs {8 // acc}x{acc}: {m}")
+            worst = max(worst, (run["state_dict"][key] - value).abs().max().item())
+        print(f"split invariance: 8x1 vs {8 // acc}x{acc}: max |dw| = {worst:.3g} (weights moved {moved:.3g})")
+
+
+def test_reference_fipo_loss_is_the_registry_and_its_metrics_are_logged(runs):
+    run = runs["fipo_ref"]
+    moved = False
+    for step in steps(run["records"]):
+        config = step[0]["config"]
+        assert config["fipo_decay_rate"] == 16.0 and config["fipo_safety_threshold"] == 10.0
+        assert config["clip_ratio_low"] == 0.2
+        step_tokens = int(flat(step, "response_mask").numel())
+        assert config["global_batch_info"]["batch_num_tokens"] == step_tokens
+        # one call over the step, divided by the step's valid tokens counted before FIPO's sequence drop
+        reference_config = {k: v for k, v in config.items() if k != "global_batch_info"}
+        reference_config["global_batch_info"] = {"batch_num_tokens": step_tokens}
+        total = sum(r["loss"] for r in step)
+        torch.testing.assert_close(total, one_call("fipo", step, reference_config), rtol=1e-5, atol=1e-7)
+        moved |= any(abs(r["metrics"]["fipo/influence_weights_mean_raw"] - 1.0) > 1e-3 for r in step)
+    assert moved, "FIPO's influence weights never moved off 1: the run has no off-policy drift"
+    logs = [entry for entry in run["log_history"] if "fipo/influence_weights_mean_raw" in entry]
+    assert len(logs) == STEPS and "fipo/sequence_drop_ratio" in logs[0]
+
+
+def test_swift_own_loss_types_are_untouched_with_the_plugin_loaded(runs):
+    run = runs["grpo_builtin"]
+    assert run["records"] == []  # the recipe loss was never called
+    assert any("loss" in entry for entry in run["log_history"])
+
+
+def test_bad_settings_fail_before_training(workspace):
+    proc = swift_cli(workspace, "bad_flag", "fipo_ref", 4, 2, extra=["--fipo_safety_threshold", "3"], capture=False,
+                     check=False)
+    assert proc.returncode != 0 and "--fipo_safety_threshold" in proc.stderr and "STALERL_FIPO_SAFETY_THRESHOLD" \
+        in proc.stderr
+    proc = swift_cli(workspace, "bad_env", "m2po", 4, 2, env={"STALERL_M2_TRESHOLD": "0.1"}, capture=False,
+                     check=False)
+    assert proc.returncode != 0 and "Did you mean STALERL_M2_THRESHOLD" in proc.stderr
+    for name in ("bad_flag", "bad_env"):
+        assert not (workspace["root"] / name / "capture.pt").exists()
+
+
+MEGATRON_PROBE = """
+import sys, types
+from types import SimpleNamespace
+
+# megatron-core does not install on CPU: a stand-in for Megatron-SWIFT's pipeline module, as the `megatron rlhf`
+# command has it imported when ms-swift imports the plugins.
+module = types.ModuleType("swift.megatron.pipelines.train.rlhf")
+class MegatronRLHF:
+    def prepare_trainer(self):
+        return "megatron trainer"
+module.MegatronRLHF = MegatronRLHF
+sys.modules[module.__name__] = module
+
+from swift.utils.utils import import_external_file
+import_external_file(sys.argv[1])
+assert MegatronRLHF().prepare_trainer.__func__ is not None
+ok = SimpleNamespace(args=SimpleNamespace(loss_type="grpo"))
+assert MegatronRLHF.prepare_trainer(ok) == "megatron trainer"
+try:
+    MegatronRLHF.prepare_trainer(SimpleNamespace(args=SimpleNamespace(loss_type="m2po")))
+except ValueError as exc:
+    print(exc)
+else:
+    raise SystemExit("m2po was not refused under Megatron-SWIFT")
+"""
+
+
+def test_megatron_swift_refuses_the_recipe_losses_when_building_its_trainer():
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_PROBE, recipe_swift.plugin_path()], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not supported by Megatron-SWIFT" in proc.stdout
