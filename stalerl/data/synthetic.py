@@ -12,8 +12,8 @@ Tasks:
 * ``word``: a two-step word problem, ``Tom has 36 apples. He buys 13 more and gives 20 away. How many apples does
   he have now?`` with worked answer ``36+13=49. 49-20=29. #### 29``. Results are never negative.
 
-Operands are uniform in ``[0, max_operand]`` (``chain``: three of them; ``word``: ``a, b`` in ``[1, max_operand]``, the amount taken away in
-``[1, min(max_operand, a+b)]``).
+Operands are uniform in ``[0, max_operand]`` (``chain``: three of them; ``word``: ``a, b`` in ``[1, max_operand]``,
+the amount taken away in ``[1, min(max_operand, a+b)]``).
 
 Splits: the test set is ``test_size`` distinct problems; the train set is ``train_size`` problems drawn (with
 repetition) from the rest, so no train problem has the numbers of a test problem. Both depend only on

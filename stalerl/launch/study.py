@@ -14,9 +14,10 @@ the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``s
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
 ``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
-stalerl.results.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way, see
-stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g. on-policy once),
-``pilot`` (free-form record of a pilot's grid, decision rule and outcome; not used by the runner).
+stalerl.results.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way,
+see stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g.
+on-policy once), ``pilot`` (a pilot's decision rule, see stalerl.results.pilot: validated, copied into study.json
+and applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this

@@ -12,10 +12,11 @@ The spec's ``pilot`` mapping states the rule before the pilot runs::
 
 A *regime* is one optimizer variant (the method label minus the loss) x one stale setting. It qualifies when, in
 every pilot seed, the stale loss first prospers (its best eval up to ``collapse.early_end`` is >= ``prosper`` above
-its step-0 eval) and then collapses (``collapse``: stalerl.results.report_metrics.CollapseRule; a diverged run collapses),
-while no on-policy run of the same variant collapses. The study report renders this table in the pilot's block
-(``pilot`` is copied into study.json). The chosen regime is the qualifying one with the smallest staleness, then the order of the spec's
-variants. M2PO, clip and FIPO runs are never read: the regime is chosen without looking at them.
+its step-0 eval) and then collapses (``collapse``: stalerl.results.report_metrics.CollapseRule; a diverged run
+collapses), while no on-policy run of the same variant collapses. The study report renders this table in the pilot's
+block (``pilot`` is copied into study.json). The chosen regime is the qualifying one with the smallest staleness,
+then the order of the spec's variants. M2PO, clip and FIPO runs are never read: the regime is chosen without looking
+at them.
 """
 
 from __future__ import annotations
@@ -96,4 +97,3 @@ def check_pilot(pilot: Any, where: str = "pilot") -> CollapseRule:
 def render_pilot(cells: Sequence[Any], pilot: Mapping[str, Any]) -> str:
     rows, chosen = decide(cells, pilot, check_pilot(pilot))
     return render(rows, chosen, pilot.get("stale_loss", "no_trust_region"))
-

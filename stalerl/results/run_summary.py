@@ -9,13 +9,13 @@ Fields (``schema`` 1): identity (``run``, ``experiment``, ``seed``, ``loss``, ``
 ``setting_digest``), staleness settings (``mode``, ``fixed_staleness``, ``max_head_offpolicyness``, ``dX``/``dY``,
 ``rollout_R`` = max_concurrent_rollouts, ``setting`` = the AReaL trial name ``stale S dX+dY rollout R`` for
 asynchronous runs), outcomes (``eval``: initial = step 0 after the warm start, final, best over every evaluation
-including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
-``status``/``error``, ``machine`` and ``curves``. Schema 2 adds ``eval_every`` (evaluator.freq_steps),
-``diagnostics`` (mean and max of the drift diagnostics, ``DIAGNOSTIC_METRICS``) and their compact curves, and the
-status ``diverged``: the loss, gradient norm or log-probs became non-finite; the summary keeps the curves up to that
-step and the report counts the run as collapsed (never as missing). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done, ``final_loss`` and, for an adaptive
-warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy at its last check) and
-``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
+including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``, ``status``/``error``,
+``machine`` and ``curves``. Schema 2 adds ``eval_every`` (evaluator.freq_steps), ``diagnostics`` (mean and max of
+the drift diagnostics, ``DIAGNOSTIC_METRICS``) and their compact curves, and the status ``diverged``: the loss,
+gradient norm or log-probs became non-finite; the summary keeps the curves up to that step and the report counts the
+run as collapsed (never as missing). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done,
+``final_loss`` and, for an adaptive warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy
+at its last check) and ``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
 """
 
 from __future__ import annotations

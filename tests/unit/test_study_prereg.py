@@ -89,6 +89,31 @@ def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
             r["curves"]["eval/accuracy"] = [[s, v] for s, v in boom]
     assert decide(group(runs, method_keys=["method"]), {}, CollapseRule())[1] is None
     md = render_markdown(group(runs, method_keys=["method"]), study="p", pilot={"prosper": 0.05})
-    assert "No regime qualifies: a negative result" in md and "| lr=b @ fixed_staleness 64 | 2/2 | 2/2 | 2/2 | no |" in md
+    assert "No regime qualifies: a negative result" in md
+    assert "| lr=b @ fixed_staleness 64 | 2/2 | 2/2 | 2/2 | no |" in md
     with pytest.raises(ValueError, match="pilot.prosper"):
         check_pilot({"prosper": 5})
+
+
+def test_stalerl_study_pilot_prints_the_decision(tmp_path, capsys):
+    import json
+
+    from stalerl.launch.study import main
+
+    steps = range(0, 401, 50)
+    for seed in (1, 2):
+        for loss, setting, curve in (("vanilla", "fixed_staleness 0", [(s, 0.3 + s / 2000) for s in steps]),
+                                     ("no_trust_region", "fixed_staleness 64",
+                                      [(s, 0.3 + s / 1000 if s <= 150 else 0.1) for s in steps])):
+            run = _run(loss, "", setting, seed, curve)
+            run.update({"lr": 0.001, "gradient_clipping": 1.0, "run": f"{loss}-{seed}"})
+            (tmp_path / f"{loss}-{seed}.json").write_text(json.dumps(run))
+    spec = yaml.safe_load((STUDY / "chain_pilot.yaml").read_text())
+    spec["settings"] = {k: v for k, v in spec["settings"].items() if k != "fixed_staleness 256"}
+    spec["setting_losses"].pop("fixed_staleness 256")
+    spec_path = _write(tmp_path / "spec", spec) if (tmp_path / "spec").mkdir() is None else None
+    assert main(["pilot", str(tmp_path), "--spec", str(spec_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64 | 2/2 | 2/2 | 0/2 | yes |" in out
+    assert "Chosen regime: lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64" in out
+    assert main(["pilot", str(tmp_path), "--spec", str(STUDY / "chain_staleness.yaml")]) == 2  # no pilot rule
