@@ -324,7 +324,9 @@ class ActorConfig(_Section):
 class SyntheticDataConfig(_Section):
     """The built-in synthetic task used when the dataset path is 'synthetic'."""
 
-    task: str = _f("add", choices=("add", "word"), help="add = 'a+b=' arithmetic; word = short word problems.")
+    task: str = _f("add", choices=("add", "chain", "word"),
+                   help="add = 'a+b=' arithmetic; chain = 'a+b+c=' with the intermediate sums written out "
+                        "(' a+b=s s+c=t #### t', ~30 tokens); word = short word problems.")
     max_operand: int = _f(99, ge=1, help="Largest operand.")
     train_size: int = _f(20000, ge=1, help="Examples in the train split.")
     test_size: int = _f(256, ge=1, help="Examples in the test split.")

@@ -321,6 +321,7 @@ class Actor:
         loss_sum = 0.0
         metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch
         sq_sum, n_tokens, max_abs = 0.0, 0.0, 0.0  # M2 over all valid tokens, for comparisons across losses
+        max_log_ratio = -math.inf  # the largest importance ratio, for every loss (not only no_trust_region)
         for rows in micro:
             mb = mini.select(rows)
             width = mb.response_ids.shape[1]
@@ -338,6 +339,8 @@ class Actor:
                 sq_sum += float((d * d).sum())
                 n_tokens += float(mb.response_mask.sum())
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+                if bool(mb.response_mask.any()):
+                    max_log_ratio = max(max_log_ratio, float(d[mb.response_mask].max()))
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
             fsdp.dummy_forward(self.model, self.device).backward()
         if self.dp.size > 1:
@@ -361,6 +364,7 @@ class Actor:
         out["actor/lr"] = lr_used
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
+        out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
         out["actor/num_micro_batches"] = float(len(micro))
         return out
 

@@ -31,6 +31,30 @@ from stalerl.training import trial_dir
 from stalerl.training.warm_start import warm_start
 
 from stalerl.core.launch_env import LAUNCH_TIME_ENV  # noqa: E402,F401 - re-exported
+
+#: A step whose value here is non-finite has diverged (the optimizer step that follows would poison the weights).
+DIVERGENCE_KEYS = ("actor/loss", "actor/grad_norm")
+
+
+class TrainingDiverged(UserError):
+    """The loss, gradient norm or log-probs became non-finite. The run ends with ``status: diverged`` in its
+    summary (with its curves up to that step), which the study report counts as a collapse, never as missing."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"training diverged at step {step}: {reason}; summary.json records status 'diverged' "
+                         "(a collapse in the study report). To avoid it: a trust region (actor.loss=m2po or vanilla), "
+                         "a lower actor.optimizer.lr, or actor.optimizer.gradient_clipping > 0")
+        self.step = step
+
+
+def nonfinite(metrics: dict[str, Any], keys=DIVERGENCE_KEYS) -> list[str]:
+    """``key=value`` for each of ``keys`` that is present and not finite."""
+    out = []
+    for k in keys:
+        v = metrics.get(k)
+        if isinstance(v, float) and not np.isfinite(v):
+            out.append(f"{k}={v}")
+    return out
 SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
                 "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
 
@@ -289,7 +313,18 @@ class Trainer:
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
         while self.step < self.total_steps:
-            last = self.train_step()
+            try:
+                last = self.train_step()
+            except ValueError as exc:  # the loss refuses non-finite log-probs on valid tokens (recipe.common)
+                if "non-finite" not in str(exc):
+                    raise
+                logger.close()
+                raise TrainingDiverged(self.step + 1, str(exc).splitlines()[0][:300]) from exc
+            bad = nonfinite(last)
+            if bad:  # logged (the curves end here), never evaluated or checkpointed
+                logger.log(self.step, last)
+                logger.close()
+                raise TrainingDiverged(self.step, ", ".join(bad))
             if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
                 last["timing/startup_overhead_s"] = startup_s
                 startup_s = None
@@ -388,6 +423,10 @@ class Trainer:
             "accuracy": float((r >= 1.0).float().mean()) if r.numel() else 0.0,
             "groups_with_signal": float((gmax > gmin).float().mean()) if n_groups else 0.0,
             "response_length": float(batch.response_mask.sum(dim=1).float().mean()) if r.numel() else 0.0,
+            # Mean -log p of the sampled tokens under the policy that sampled them: an unbiased estimate of that
+            # policy's per-token entropy (at temperature 1) with no vocabulary-wide pass.
+            "rollout/entropy": (float(-batch.behavior_logp[batch.response_mask].mean())
+                                if bool(batch.response_mask.any()) else 0.0),
         }
 
     def save_model(self, path: os.PathLike) -> None:
