@@ -1,5 +1,5 @@
 """Study specs with pre-registered claims, restricted grids (setting_losses), optimizer variants, and the pilot's
-decision rule (stalerl.study, stalerl.results.pilot)."""
+decision rule (stalerl.launch.study, stalerl.results.pilot)."""
 
 from __future__ import annotations
 
