@@ -1,12 +1,14 @@
-"""Builds what scripts/gpu_smoke.sh runs on, with nothing downloaded:
+"""Builds what scripts/gpu_smoke.sh and scripts/gpu_check.sh run on, with nothing downloaded:
 
-* a from-scratch Qwen2 (the Qwen2.5 layout scaled down: GQA, biases on q/k/v, tied embeddings) with the real
-  vocabulary size 151,936, saved as a Hugging Face directory with a byte-level BPE tokenizer built here: the 256
-  byte symbols, filler tokens up to Qwen2.5's 151,643 regular tokens, Qwen's special tokens and its chat template
-  (so the prompt format is the "chat" one, as with Qwen2.5-Instruct);
+* a from-scratch Qwen2 (the Qwen2.5 layout: GQA, biases on q/k/v, tied embeddings) with the real vocabulary size
+  151,936, saved as a Hugging Face directory with a byte-level BPE tokenizer built here: the 256 byte symbols, filler
+  tokens up to Qwen2.5's 151,643 regular tokens, Qwen's special tokens and its chat template (so the prompt format is
+  the "chat" one, as with Qwen2.5-Instruct), and a generation_config.json listing Qwen2.5-Instruct's two end tokens
+  (<|im_end|>, <|endoftext|>); sizes: qwen2.5-1.5b (Qwen2.5-1.5B's exact shape, 1.54B parameters, random weights),
+  gpu (85M), cpu (10M, nearly all embedding);
 * a GSM8K-format data directory (train.jsonl / test.jsonl: question, answer ending in "#### N").
 
-    python scripts/smoke_assets.py OUT_DIR --size gpu|cpu
+    python scripts/smoke_assets.py OUT_DIR --size qwen2.5-1.5b|gpu|cpu [--device cuda] [--save-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SHAPES = {  # Qwen2.5-0.5B is hidden 896, 24 layers, 14 heads / 2 kv heads, intermediate 4864
+    # Qwen2.5-1.5B(-Instruct)'s config.json, vocabulary included (tied embeddings, no sliding window)
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-6, use_sliding_window=False),
     "gpu": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                 intermediate_size=1408, max_position_embeddings=2048),
     "cpu": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,7 +61,7 @@ def build_tokenizer():
     return tok
 
 
-def build_model(tok, size: str):
+def build_model(tok, size: str, device: str = "cpu"):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -63,9 +69,12 @@ def build_model(tok, size: str):
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          **SHAPES[size])
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.device(device):  # random init of 1.5B parameters takes seconds on a GPU, a minute on a few cores
+        model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
+    # As Qwen2.5-Instruct's generation_config.json: both end tokens (both rollout engines stop at either).
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"),
+                                            tok.convert_tokens_to_ids("<|endoftext|>")]
     return model
 
 
@@ -87,10 +96,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--size", choices=sorted(SHAPES), default="gpu")
+    ap.add_argument("--device", default="cpu", help="where to initialise the weights (cuda: much faster at 1.5B)")
+    ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the saved weights (the trainer loads float32 master weights either way; bfloat16 "
+                         "halves the files and the load time)")
     args = ap.parse_args()
+    import torch
+
     tok = build_tokenizer()
-    model = build_model(tok, args.size)
+    model = build_model(tok, args.size, args.device)
     model_dir = args.out / "model"
+    model = model.to("cpu", torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     write_data(args.out / "data", n_train=1024, n_test=128)

@@ -72,6 +72,54 @@ def tiny_policy():
     return model, tok
 
 
+def end_token_state(model, token_id: int, suppress: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Weights whose greedy (and, by a wide margin, sampled) choice is ``token_id`` after any prefix: the last layer's
+    attention adds one huge constant vector (V = its bias, o_proj = identity), so the final hidden state points one
+    way, and ``token_id``'s (tied) embedding row is that direction. ``suppress``: rows set to the opposite direction
+    (e.g. a token an earlier construction on the same model pointed that way)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    last = model.config.num_hidden_layers - 1
+    attn = f"model.layers.{last}.self_attn"
+    h = model.config.hidden_size
+    n_v = state[f"{attn}.v_proj.bias"].numel()
+    direction = torch.randn(n_v, generator=torch.Generator().manual_seed(0))
+    state[f"{attn}.v_proj.weight"].zero_()
+    state[f"{attn}.v_proj.bias"] = 100.0 * direction
+    o = torch.zeros(h, n_v)
+    o[:n_v, :n_v] = torch.eye(n_v)
+    state[f"{attn}.o_proj.weight"] = o
+    final = torch.zeros(h)
+    final[:n_v] = direction
+    state["model.embed_tokens.weight"][token_id] = 5.0 * final / final.norm() * state["model.norm.weight"].sign()
+    for other in suppress:
+        state["model.embed_tokens.weight"][other] = -state["model.embed_tokens.weight"][token_id]
+    if "lm_head.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def save_two_end_token_model(out: Path, model=None, tok=None) -> Path:
+    """A local tiny Qwen2 directory (``model``/``tok``, default the embedded tiny:qwen2) whose generation_config.json
+    lists two end tokens, the tokenizer's eos and ``<bos>`` (as Qwen2.5-Instruct lists ``<|im_end|>`` and
+    ``<|endoftext|>``)."""
+    from stalerl.core.model import load_policy
+
+    if model is None:
+        model, tok = load_policy("tiny:qwen2", dtype="float32", device="cpu", seed=0)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.bos_token_id]
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def two_end_token_policy(tmp_path):
+    """(model, tokenizer) loaded from :func:`save_two_end_token_model`'s directory (through generation_config.json)."""
+    from stalerl.core.model import load_policy
+
+    return load_policy(str(save_two_end_token_model(tmp_path / "two-end-tokens")), dtype="float32", device="cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     """vllm-marked tests need vLLM (its own virtual environment): skipped with the reason where it is missing, and
     a failure instead when STALERL_REQUIRE_VLLM=1 (CI's vLLM step must really run them)."""

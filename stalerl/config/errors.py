@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 
 
 class ConfigWarning(UserWarning):
-    """A legal but probably unintended setting (e.g. ``gconfig.top_k`` != 0)."""
+    """A legal but probably unintended setting (e.g. ``gconfig.greedy=true`` for training)."""
 
 
 # While OmegaConf instantiates the dataclasses, per-section __post_init__ checks are deferred so that `validate`

@@ -121,10 +121,13 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
     elif total > 0:
         need_rollout = rb.world_size if rb.engine in _GPU_ROLLOUT_ENGINES else 0
         need_actor = ab.world_size if actor.device != "cpu" else 0
-        if need_rollout + need_actor > total:
+        # The synchronous loop runs its one engine inside the trainer's process, on the trainer's GPU (vLLM and the
+        # trainer share it: docs/gpu.md sizes vLLM's part); separate GPUs exist only for asynchronous workers.
+        need = need_rollout + need_actor if is_async(cfg) else max(need_rollout, need_actor)
+        if need > total:
             out.append(("cluster.n_gpus_per_node",
                         f"rollout.backend={ro.backend!r} ({need_rollout} GPUs) + actor.backend={actor.backend!r} "
-                        f"({need_actor} GPUs) need {need_rollout + need_actor} GPUs, but cluster has "
+                        f"({need_actor} GPUs) need {need} GPUs, but cluster has "
                         f"n_nodes * n_gpus_per_node = {total}. Fix: shrink the backends or raise cluster.n_nodes / "
                         "cluster.n_gpus_per_node."))
     if not is_async(cfg):
@@ -142,10 +145,38 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
                             f"{key}={b.engine}:d1."))
     if rb.engine == "vllm":
         out += _vllm_problems(cfg, rb, total)
+    out += _truncated_sampling_problems(cfg)
     if actor.dtype == "float16":
         # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
         out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "
                                    "Fix: set actor.dtype=bfloat16 (fp32 master weights, bf16 compute) or float32."))
+    return out
+
+
+# Why refuse rather than truncate the trainer's distribution too: a truncated policy gives log-prob -inf to every
+# token outside its current top-k / top-p set, so as soon as the trained (or a stale) policy's set moves, sampled
+# tokens get an infinite log-ratio and M2PO's second moment is undefined; the set is a step function of the logits, so
+# the truncated log-prob's gradient ignores how the set changes; and vLLM's sampling kernels and transformers' warpers
+# break ties at the nucleus edge differently, so the two engines' sets could not be matched to fp precision. The
+# paper, AReaL and verl's recipe sample at top_p=1, top_k off for training for the same reason.
+_TRUNCATION_WHY = ("the trainer's log-probs (actor.behavior_logp=rollout or recompute) use the full tempered softmax, "
+                   "so a truncated sampler's behaviour log-probs make the on-policy log-ratio negative on every token "
+                   "(by -0.10 on average at top_p 0.9 in a review) and bias M2 and every importance ratio")
+
+
+def _truncated_sampling_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
+    """gconfig (training rollouts) must sample the untruncated policy; eval_gconfig is free (no log-probs used)."""
+    g, out = cfg.gconfig, []
+    if g.greedy:
+        return out  # argmax decoding ignores top_p / top_k (and is warned about separately)
+    if g.top_p < 1.0:
+        out.append(("gconfig.top_p", f"got {g.top_p}; training rollouts must sample the full distribution: "
+                                     f"{_TRUNCATION_WHY}. Fix: set gconfig.top_p=1.0 (eval_gconfig.top_p may stay "
+                                     "< 1)."))
+    if g.top_k != 0:
+        out.append(("gconfig.top_k", f"got {g.top_k}; training rollouts must sample the full distribution: "
+                                     f"{_TRUNCATION_WHY}. Fix: set gconfig.top_k=0 (eval_gconfig.top_k may stay "
+                                     "> 0)."))
     return out
 
 
@@ -158,7 +189,7 @@ def _vllm_problems(cfg: ExperimentTree, rb: Backend, total_gpus: int) -> List[Tu
             out.append(("rollout.backend", f"got {cfg.rollout.backend!r} with cluster.n_gpus_per_node=0; on CPU "
                                            "each vLLM replica runs in one process without tensor parallelism. "
                                            f"Fix: use rollout.backend=vllm:d{rb.dp}."))
-        if v.dtype == "float16":
+        if v.dtype == "float16":  # null resolves to float32 on CPU
             out.append(("rollout.vllm.dtype", "got 'float16' on CPU (cluster.n_gpus_per_node=0); vLLM's CPU build "
                                               "computes in float32 or bfloat16. Fix: set rollout.vllm.dtype=float32."))
     longest = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
@@ -178,9 +209,6 @@ def _vllm_problems(cfg: ExperimentTree, rb: Backend, total_gpus: int) -> List[Tu
 def _cross_field_warnings(cfg: ExperimentTree) -> List[str]:
     out = []
     g = cfg.gconfig
-    if g.top_k != 0:
-        out.append(f"gconfig.top_k={g.top_k}: top-k sampling makes the behaviour log-probs differ from the policy's "
-                   "softmax, so importance ratios and M2 are biased. Set gconfig.top_k=0 unless intended.")
     if cfg.actor.loss == "fipo" and not fipo_has_drift(cfg):
         out.append("actor.loss=fipo acts only through the drift between the behaviour and the current policy, and "
                    "this run has none: rollout.fixed_staleness=0, rollout.max_head_offpolicyness=0 and "

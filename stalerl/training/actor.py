@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -167,6 +168,7 @@ class Actor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
+        self.logp_seconds = 0.0  # wall time in compute_logp (no-grad passes), for the trainer's step-time split
 
     # ---------------------------------------------------------------- log-probs
     def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
@@ -213,6 +215,7 @@ class Actor:
     @torch.no_grad()
     def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs of the batch's responses under the current weights (no grad), (N, R) on CPU, 0 on padding."""
+        start = time.perf_counter()  # the .cpu() copies below wait for the device, so this is the pass's time
         was_training = self.model.training
         self.model.eval()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
@@ -224,6 +227,7 @@ class Actor:
         for _ in range(self._missing_passes(len(micro))):
             fsdp.dummy_forward(self.model, self.device, self.compute_dtype)
         self.model.train(was_training)
+        self.logp_seconds += time.perf_counter() - start
         return out
 
     def _missing_passes(self, n_micro: int) -> int:
@@ -328,6 +332,7 @@ class Actor:
         loss_sum = 0.0
         metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch
         sq_sum, n_tokens, max_abs = 0.0, 0.0, 0.0  # M2 over all valid tokens, for comparisons across losses
+        max_log_ratio = -math.inf  # the largest importance ratio, for every loss (not only no_trust_region)
         for rows in micro:
             mb = mini.select(rows)
             width = mb.response_ids.shape[1]
@@ -345,6 +350,8 @@ class Actor:
                 sq_sum += float((d * d).sum())
                 n_tokens += float(mb.response_mask.sum())
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+                if bool(mb.response_mask.any()):
+                    max_log_ratio = max(max_log_ratio, float(d[mb.response_mask].max()))
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
             fsdp.dummy_forward(self.model, self.device, self.compute_dtype).backward()
         if self.dp.size > 1:
@@ -368,6 +375,7 @@ class Actor:
         out["actor/lr"] = lr_used
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
+        out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
         out["actor/num_micro_batches"] = float(len(micro))
         return out
 

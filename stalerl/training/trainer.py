@@ -31,6 +31,30 @@ from stalerl.training import trial_dir
 from stalerl.training.warm_start import warm_start
 
 from stalerl.core.launch_env import LAUNCH_TIME_ENV  # noqa: E402,F401 - re-exported
+
+#: A step whose value here is non-finite has diverged (the optimizer step that follows would poison the weights).
+DIVERGENCE_KEYS = ("actor/loss", "actor/grad_norm")
+
+
+class TrainingDiverged(UserError):
+    """The loss, gradient norm or log-probs became non-finite. The run ends with ``status: diverged`` in its
+    summary (with its curves up to that step), which the study report counts as a collapse, never as missing."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"training diverged at step {step}: {reason}; summary.json records status 'diverged' "
+                         "(a collapse in the study report). To avoid it: a trust region (actor.loss=m2po or vanilla), "
+                         "a lower actor.optimizer.lr, or actor.optimizer.gradient_clipping > 0")
+        self.step = step
+
+
+def nonfinite(metrics: dict[str, Any], keys=DIVERGENCE_KEYS) -> list[str]:
+    """``key=value`` for each of ``keys`` that is present and not finite."""
+    out = []
+    for k in keys:
+        v = metrics.get(k)
+        if isinstance(v, float) and not np.isfinite(v):
+            out.append(f"{k}={v}")
+    return out
 SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
                 "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
 
@@ -55,6 +79,19 @@ def total_steps(cfg: ExperimentConfig, num_train_examples: int) -> int:
     return max(0, steps)
 
 
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory since the process started: the CUDA caching allocator's allocated/reserved bytes on a GPU, the
+    process's peak RSS otherwise (GiB)."""
+    if device.type == "cuda":
+        return {"memory/gpu_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "memory/gpu_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return {}
+    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux: KiB
+
+
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
@@ -67,10 +104,12 @@ class Trainer:
                 f"rollout.backend={cfg.rollout.backend!r}: the {engine} rollout engine is not available in this "
                 "version; use rollout.backend=hf:dX (transformers generate) or vllm:dX")
         if engine == "vllm":
-            from stalerl.rollout.vllm_engine import INSTALL_HINT, VLLMNotInstalled, vllm_available
+            from stalerl.rollout.vllm_engine import (INSTALL_HINT, VLLMNotInstalled, check_vllm_version,
+                                                     installed_vllm_version, vllm_available)
 
             if not vllm_available():  # before any work: data, model, warm start
                 raise VLLMNotInstalled(INSTALL_HINT)
+            check_vllm_version(installed_vllm_version())
         torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
         self.run_dir = run_dir(cfg)
@@ -274,7 +313,18 @@ class Trainer:
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
         while self.step < self.total_steps:
-            last = self.train_step()
+            try:
+                last = self.train_step()
+            except ValueError as exc:  # the loss refuses non-finite log-probs on valid tokens (recipe.common)
+                if "non-finite" not in str(exc):
+                    raise
+                logger.close()
+                raise TrainingDiverged(self.step + 1, str(exc).splitlines()[0][:300]) from exc
+            bad = nonfinite(last)
+            if bad:  # logged (the curves end here), never evaluated or checkpointed
+                logger.log(self.step, last)
+                logger.close()
+                raise TrainingDiverged(self.step, ", ".join(bad))
             if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
                 last["timing/startup_overhead_s"] = startup_s
                 startup_s = None
@@ -322,13 +372,16 @@ class Trainer:
         self._gen_seconds, self._gen_tokens = 0.0, 0
         self._gen_rewards = []  # reward/generated: this step's fresh batches (under a FIFO, not the consumed one)
         t0 = time.perf_counter()
+        logp0 = self.actor.logp_seconds
         batch = self.fifo.next_batch(self.generate_batch)
         t_gen = time.perf_counter() - t0
+        logp_gen = self.actor.logp_seconds - logp0  # actor.behavior_logp=recompute
         advantages = self.advantages(batch)
         stale = staleness_stats(batch, self.step)
         t1 = time.perf_counter()
         metrics = self.actor.update(batch, advantages)
         t_train = time.perf_counter() - t1
+        logp_train = self.actor.logp_seconds - logp0 - logp_gen  # a batch selector's (M2PO's) no-grad pass
         self.step += 1
         metrics.update(stale)
         metrics.update(self.batch_metrics(batch))
@@ -337,10 +390,14 @@ class Trainer:
         train_tokens = float(batch.attention_mask().sum())
         metrics.update({
             "timing/gen_s": t_gen, "timing/train_s": t_train, "timing/step_s": time.perf_counter() - t0,
+            # the same step cut into three disjoint phases: sampling, no-grad log-prob passes, forward/backward+step
+            "timing/split/generation_s": t_gen - logp_gen, "timing/split/logp_s": logp_gen + logp_train,
+            "timing/split/training_s": t_train - logp_train,
             "throughput/gen_tokens_per_s": self._gen_tokens / self._gen_seconds if self._gen_seconds else 0.0,
             "throughput/train_tokens_per_s": train_tokens / t_train if t_train else 0.0,
             "version": float(self.step),
         })
+        metrics.update(peak_memory_metrics(self.device))
         return metrics
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
@@ -366,6 +423,10 @@ class Trainer:
             "accuracy": float((r >= 1.0).float().mean()) if r.numel() else 0.0,
             "groups_with_signal": float((gmax > gmin).float().mean()) if n_groups else 0.0,
             "response_length": float(batch.response_mask.sum(dim=1).float().mean()) if r.numel() else 0.0,
+            # Mean -log p of the sampled tokens under the policy that sampled them: an unbiased estimate of that
+            # policy's per-token entropy (at temperature 1) with no vocabulary-wide pass.
+            "rollout/entropy": (float(-batch.behavior_logp[batch.response_mask].mean())
+                                if bool(batch.response_mask.any()) else 0.0),
         }
 
     def save_model(self, path: os.PathLike) -> None:

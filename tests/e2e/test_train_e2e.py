@@ -16,7 +16,7 @@ from stalerl.config import load_config
 from stalerl.results.metrics_log import read_metrics
 
 SCRIPT = REPO / "examples" / "math" / "gsm8k_rl.py"
-TIMING_PREFIXES = ("timing/", "throughput/")
+TIMING_PREFIXES = ("timing/", "throughput/", "memory/")  # machine-dependent figures
 
 
 def _run_script(args: list[str], **kwargs) -> subprocess.CompletedProcess:

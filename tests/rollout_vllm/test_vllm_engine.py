@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CPU_CONFIG, REPO, small_overrides
+from conftest import CPU_CONFIG, REPO, end_token_state, save_two_end_token_model, small_overrides
 from stalerl.results.metrics_log import read_metrics
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -39,12 +39,16 @@ def _perturbed_state(model, seed: int, scale: float = 0.5) -> dict[str, torch.Te
 
 @pytest.fixture(scope="module")
 def vllm_setup(tmp_path_factory):
-    from stalerl.core.model import PromptFormatter, load_policy_from_config
+    from stalerl.core.model import PromptFormatter, load_policy, load_policy_from_config
     from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.vllm_engine import build_vllm_engine
 
     cfg = _engine_cfg()
     model, tok = load_policy_from_config(cfg)
+    # Loaded back from a directory whose generation_config.json lists two end tokens (eos and <bos>), as
+    # Qwen2.5-Instruct's does: every test here runs with that stop set.
+    model_dir = save_two_end_token_model(tmp_path_factory.mktemp("policy") / "model", model, tok)
+    model, tok = load_policy(str(model_dir), dtype="float32", device="cpu")
     fmt = PromptFormatter(tok).format
     engine = build_vllm_engine(cfg, model, tok, fmt, gsm8k_reward, work_dir=tmp_path_factory.mktemp("vllm"),
                                track_source=False)
@@ -132,29 +136,6 @@ def test_greedy_after_a_weight_update_equals_the_hf_engine(vllm_setup):
     assert len(set(after.texts)) > 1, after.texts  # answers depend on the question: a real comparison
 
 
-def _eos_model_state(model, eos_id: int) -> dict[str, torch.Tensor]:
-    """Weights whose greedy choice is eos after any prefix: the last layer's attention adds one huge constant vector
-    (V = its bias, o_proj = identity), so the final hidden state points one way, and eos's (tied) embedding row is
-    that direction."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    last = model.config.num_hidden_layers - 1
-    attn = f"model.layers.{last}.self_attn"
-    h = model.config.hidden_size
-    n_v = state[f"{attn}.v_proj.bias"].numel()
-    direction = torch.randn(n_v, generator=torch.Generator().manual_seed(0))
-    state[f"{attn}.v_proj.weight"].zero_()
-    state[f"{attn}.v_proj.bias"] = 100.0 * direction
-    o = torch.zeros(h, n_v)
-    o[:n_v, :n_v] = torch.eye(n_v)
-    state[f"{attn}.o_proj.weight"] = o
-    final = torch.zeros(h)
-    final[:n_v] = direction
-    state["model.embed_tokens.weight"][eos_id] = 5.0 * final / final.norm() * state["model.norm.weight"].sign()
-    if "lm_head.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
-
-
 def test_eos_ends_and_is_kept_like_the_hf_engine(vllm_setup):
     """A model that answers eos at once: a one-token response holding eos, in both engines, and greedy and
     sampled rows stop there."""
@@ -162,7 +143,7 @@ def test_eos_ends_and_is_kept_like_the_hf_engine(vllm_setup):
     from stalerl.rollout.engine import HFRolloutEngine
 
     _, model, tok, fmt, engine = vllm_setup
-    state = _eos_model_state(model, tok.eos_token_id)
+    state = end_token_state(model, tok.eos_token_id)
     engine.load_weights(state, version=9)
     model.load_state_dict(state)
     out = engine.generate(QUESTIONS[:1], ANSWERS[:1], n_samples=1, max_new_tokens=8, greedy=True)
@@ -171,6 +152,30 @@ def test_eos_ends_and_is_kept_like_the_hf_engine(vllm_setup):
     assert hf.response_ids[0, 0].item() == tok.eos_token_id  # the construction works
     assert out.response_ids.tolist() == hf.response_ids.tolist()
     assert out.response_mask.tolist() == hf.response_mask.tolist() == [[True]]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_both_engines_stop_at_every_end_token_of_the_generation_config(vllm_setup, greedy):
+    """A model whose choice is <bos>, the second end token of its generation_config.json: both engines end every
+    response there (one token, kept), greedy and sampled."""
+    from stalerl.core.reward import gsm8k_reward
+    from stalerl.rollout.engine import HFRolloutEngine
+    from stalerl.rollout.vllm_engine import sample_seeds
+
+    _, model, tok, fmt, engine = vllm_setup
+    assert engine.stop_ids == (tok.eos_token_id, tok.bos_token_id)
+    state = end_token_state(model, tok.bos_token_id, suppress=(tok.eos_token_id,))  # eos may point there already
+    engine.load_weights(state, version=10)
+    model.load_state_dict(state)
+    n = 1 if greedy else 2  # vLLM refuses n > 1 with greedy decoding
+    out = engine.generate(QUESTIONS, ANSWERS, n_samples=n, max_new_tokens=8, greedy=greedy,
+                          seeds=None if greedy else sample_seeds(1, range(3), n))
+    torch.manual_seed(0)
+    hf = HFRolloutEngine(model, tok, fmt, gsm8k_reward).generate(QUESTIONS, ANSWERS, n_samples=n, max_new_tokens=8,
+                                                                  greedy=greedy)
+    assert hf.response_ids[:, 0].tolist() == [tok.bos_token_id] * 3 * n  # the construction works
+    assert out.response_ids.tolist() == hf.response_ids.tolist()
+    assert out.response_mask.tolist() == hf.response_mask.tolist() == [[True]] * 3 * n
 
 
 # ----------------------------------------------------------------------------------------------- whole runs

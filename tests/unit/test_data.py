@@ -73,7 +73,32 @@ def test_word_problems_are_two_step_and_never_negative():
     assert any(ex.final == "0" for ex in train) or min(int(ex.final) for ex in train) < 5
 
 
-@pytest.mark.parametrize("task", ["add", "addcot", "word"])
+def test_chain_writes_both_intermediate_sums_and_fits_the_generation_budget():
+    from stalerl.config import load_config
+    from stalerl.core.model import build_char_tokenizer
+
+    train, test = synthetic_splits("chain", max_operand=99, train_size=2000, test_size=1024, seed=0)
+    tok = build_char_tokenizer()
+    lengths = []
+    for ex in train + test:
+        a, b, c = (int(x) for x in ex.question[:-2].split("+"))
+        assert ex.question == f"{a}+{b}+{c}=?" and max(a, b, c) <= 99
+        assert ex.answer == f"{a}+{b}={a + b} {a + b}+{c}={a + b + c} #### {a + b + c}" and ex.final == str(a + b + c)
+        assert gsm8k_reward(" " + ex.answer, ex.answer) == 1.0
+        assert gsm8k_reward(f" {a}+{b}={a + b} {a + b}+{c}={a + b + c + 1} #### {a + b + c + 1}", ex.answer) == 0.0
+        ids = tok(" " + ex.answer, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        lengths.append(len(ids) + 1)  # + EOS
+    cfg = load_config(["--config", "examples/math/gsm8k_chain_cpu.yaml"])
+    assert max(lengths) <= cfg.gconfig.max_new_tokens == cfg.eval_gconfig.max_new_tokens
+    assert 25 <= sum(lengths) / len(lengths) <= 31  # ~30 response tokens (the add task: 9.5)
+    assert cfg.evaluator.n_prompts == cfg.valid_dataset.synthetic.test_size >= 1024 and cfg.evaluator.freq_steps <= 50
+    assert cfg.train_dataset.synthetic.task == cfg.valid_dataset.synthetic.task == "chain"
+    assert cfg.train_dataset.synthetic.test_size == cfg.valid_dataset.synthetic.test_size  # disjoint splits
+    assert problem_space_size("chain", 99) == 100 ** 3
+
+
+@pytest.mark.parametrize("task", ["add", "addcot", "chain", "word"])
 def test_generator_deterministic_and_splits_disjoint(task):
     kw = dict(max_operand=99, train_size=3000, test_size=200, seed=7)
     train, test = synthetic_splits(task, **kw)

@@ -229,7 +229,7 @@ def test_study_specs_expand_and_validate(tmp_path):
     spec = load_spec(REPO / "examples" / "math" / "study" / "staleness.yaml")
     runs = expand(spec)
     assert spec["losses"] == ["m2po", "vanilla", "no_trust_region", "fipo"]
-    assert len(runs) == 4 * 4 * 5 and len({r["trial"] for r in runs}) == len(runs)
+    assert len(runs) == (1 + 4 * 3) * 5 and len({r["trial"] for r in runs}) == len(runs)  # on-policy once
     spec = load_spec(REPO / "examples" / "math" / "study" / "async.yaml")
     assert list(spec["settings"]) == ["stale 4 d1+d1 rollout 32", "stale 16 d2+d1 rollout 64",
                                       "stale 256 d2+d1 rollout 96"]

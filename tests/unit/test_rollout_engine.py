@@ -8,7 +8,8 @@ from stalerl.config import load_config
 from stalerl.core.model import PromptFormatter
 from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.batch import concat_batches
-from stalerl.rollout.engine import HFRolloutEngine, _mask_through_first_eos
+from conftest import end_token_state
+from stalerl.rollout.engine import HFRolloutEngine, _mask_through_first_eos, stop_token_ids
 
 QUESTIONS = ["12+7=?", "3+45=?", "99+1=?"]
 ANSWERS = ["19", "48", "100"]
@@ -51,6 +52,47 @@ def test_mask_through_first_eos():
     ids = torch.tensor([[5, 1, 9, 9], [5, 6, 7, 8], [1, 1, 0, 0]])
     mask = _mask_through_first_eos(ids, eos_id=1)
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True], [True, False, False, False]]
+
+
+def _mask_reference(ids: torch.Tensor, stops: list[int]) -> torch.Tensor:
+    """The literal rule: walk each row, keep tokens until (and including) the first end token."""
+    out = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, row in enumerate(ids.tolist()):
+        for j, token in enumerate(row):
+            out[i, j] = True
+            if token in stops:
+                break
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mask_through_first_end_token_equals_the_literal_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 6, (9, 11), generator=g)
+    for stops in ([1], [1, 4], [0, 2, 5]):
+        assert torch.equal(_mask_through_first_eos(ids, stops), _mask_reference(ids, stops)), stops
+
+
+def test_stop_tokens_are_the_tokenizer_eos_and_every_generation_config_eos(two_end_token_policy, tiny_policy):
+    model, tok = two_end_token_policy
+    assert model.generation_config.eos_token_id == [tok.eos_token_id, tok.bos_token_id]  # read from the file
+    assert stop_token_ids(tok, model.generation_config) == (tok.eos_token_id, tok.bos_token_id)
+    assert _engine(model, tok).stop_ids == (tok.eos_token_id, tok.bos_token_id)
+    plain_model, plain_tok = tiny_policy
+    assert _engine(plain_model, plain_tok).stop_ids == (plain_tok.eos_token_id,)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_hf_engine_stops_at_the_second_end_token(two_end_token_policy, greedy):
+    """Before: the HF engine stopped only at the tokenizer's eos and ran past <bos> to max_new_tokens."""
+    model, tok = two_end_token_policy
+    model.load_state_dict(end_token_state(model, tok.bos_token_id))
+    torch.manual_seed(7)
+    out = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, greedy=greedy)
+    assert out.response_ids[:, 0].tolist() == [tok.bos_token_id] * 6  # the construction works
+    assert out.response_mask.sum(dim=1).tolist() == [1] * 6  # ended there, the end token kept
+    assert (out.response_ids[:, 1:] == tok.pad_token_id).all()
+    assert out.texts == [""] * 6
 
 
 def test_greedy_is_deterministic(tiny_policy):
@@ -147,3 +189,15 @@ def test_generation_keeps_no_per_step_score_stack(tiny_policy, monkeypatch):
     batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, temperature=0.9)
     assert len(seen) == 1 and not seen[0][0] and seen[0][1] is None
     assert (batch.behavior_logp[batch.response_mask] < 0).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0)])
+def test_truncated_sampling_makes_the_on_policy_log_ratio_negative_on_every_token(tiny_policy, top_k, top_p):
+    """Why gconfig.top_p < 1 / top_k > 0 are refused for training: the trainer's log-prob (full softmax) of a token
+    drawn from the truncated distribution is below the behaviour log-prob by log(kept mass) on every token."""
+    model, tok = tiny_policy
+    torch.manual_seed(8)
+    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=4, max_new_tokens=8, top_k=top_k, top_p=top_p)
+    actor = Actor(model, load_config([]).actor, temperature=1.0, total_updates=1)
+    ratio = (actor.compute_logp(batch) - batch.behavior_logp)[batch.response_mask]
+    assert ratio.numel() > 20 and (ratio < -1e-3).all(), ratio.max()

@@ -244,3 +244,30 @@ def test_recorder_gathers_each_sampled_token_under_the_processed_distribution():
     assert torch.isinf(p1).sum(-1).tolist() == [6, 6]  # the warpers ran inside the recorder
     with pytest.raises(RuntimeError, match="out of step"):
         SampledLogProbRecorder().finish(seqs, 2)
+
+
+def test_ratio_max_is_the_largest_importance_ratio_for_every_loss(tiny_policy):
+    """actor/ratio_max (kept in run summaries as a drift diagnostic) = max over valid tokens of exp(logp - behaviour),
+    computed literally here from a forward at the pre-update weights; 1 exactly on-policy."""
+    model, tok = tiny_policy
+    batch, adv = _batch(model, tok, perturb=0.05)
+    for loss in ("m2po", "vanilla"):
+        actor = _actor(copy.deepcopy(model), f"actor.loss={loss}")
+        current = actor.compute_logp(batch)
+        literal = torch.exp((current - batch.behavior_logp)[batch.response_mask]).max().item()
+        metrics = actor.update(batch, adv)
+        assert metrics["actor/ratio_max"] == pytest.approx(literal, rel=1e-5)
+        assert metrics["actor/ratio_max"] > 1.0
+    actor = _actor(copy.deepcopy(model))
+    batch.behavior_logp = actor.compute_logp(batch)
+    assert actor.update(batch, adv)["actor/ratio_max"] == 1.0
+
+
+def test_rollout_entropy_is_the_mean_surprisal_of_the_sampled_tokens(tiny_policy):
+    from stalerl.training.trainer import Trainer
+
+    model, tok = tiny_policy
+    batch, _ = _batch(model, tok)
+    vals = [-float(batch.behavior_logp[i, j]) for i in range(batch.num_rows)
+            for j in range(batch.response_ids.shape[1]) if batch.response_mask[i, j]]
+    assert Trainer.batch_metrics(batch)["rollout/entropy"] == pytest.approx(sum(vals) / len(vals), rel=1e-6)

@@ -1,0 +1,128 @@
+"""The real-scale part of scripts/gpu_check.sh: checks a run's metrics.jsonl and prints / writes its figures.
+
+Checks: steps 1..N logged, finite loss and grad norm, a nonzero gradient (something was trained). Figures per step:
+time split into generation / log-probs / training (``timing/split/*``, disjoint phases of ``timing/step_s``),
+generated tokens per second, response length, staleness, M2PO's masked fraction; peak memory over the run (the
+CUDA allocator's allocated and reserved peaks, or peak RSS on CPU; nvidia-smi's sampled peak when there is one).
+
+    python scripts/gpu_check_report.py RUN_DIR --steps N --exit-code RC --device cuda|cpu [--nvidia-smi CSV] --out JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+STEP_KEYS = {  # report name: metrics.jsonl key
+    "step_s": "timing/step_s",
+    "generation_s": "timing/split/generation_s",
+    "logp_s": "timing/split/logp_s",
+    "training_s": "timing/split/training_s",
+    "gen_tokens_per_s": "throughput/gen_tokens_per_s",
+    "train_tokens_per_s": "throughput/train_tokens_per_s",
+    "response_length": "response_length",
+    "staleness_avg": "staleness/avg",
+    "m2po_masked_fraction": "actor/m2po/masked_fraction",
+    "micro_batches": "actor/num_micro_batches",
+    "loss": "actor/loss",
+    "grad_norm": "actor/grad_norm",
+}
+PEAK_KEYS = ("memory/gpu_peak_allocated_gib", "memory/gpu_peak_reserved_gib", "memory/peak_rss_gib")
+
+
+def check_rows(rows: list[dict[str, Any]], steps: int) -> list[str]:
+    """Problems with the logged steps (empty: the run trained every step)."""
+    problems = []
+    got = [r["step"] for r in rows if r.get("step", 0) > 0]
+    if got != list(range(1, steps + 1)):
+        problems.append(f"logged steps {got}, expected 1..{steps}")
+    for r in rows:
+        if r.get("step", 0) <= 0:
+            continue
+        for key in ("actor/loss", "actor/grad_norm", "timing/split/generation_s", "timing/split/logp_s",
+                    "timing/split/training_s"):
+            value = r.get(key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                problems.append(f"step {r['step']}: {key} = {value!r}")
+        if not r.get("actor/grad_norm", 0) > 0:
+            problems.append(f"step {r['step']}: zero gradient, nothing was trained")
+    return problems
+
+
+def nvidia_smi_peak_mib(path: Optional[Path]) -> Optional[float]:
+    if path is None or not path.is_file():
+        return None
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            values.append(float(line.split(",")[0]))
+        except ValueError:
+            continue
+    return max(values) if values else None
+
+
+def build_report(rows: list[dict[str, Any]], *, steps: int, exit_code: int, device: str,
+                 smi_peak_mib: Optional[float]) -> dict[str, Any]:
+    trained = [r for r in rows if r.get("step", 0) > 0]
+    per_step = [{"step": r["step"], **{name: r.get(key) for name, key in STEP_KEYS.items()}} for r in trained]
+    peaks = {key.split("/", 1)[1]: max((r[key] for r in trained if key in r), default=None) for key in PEAK_KEYS}
+    problems = ([f"run exited with code {exit_code}"] if exit_code else []) + check_rows(rows, steps)
+    return {"device": device, "steps": steps, "ok": not problems, "problems": problems, "per_step": per_step,
+            "peak_memory_gib": {k: v for k, v in peaks.items() if v is not None},
+            "nvidia_smi_peak_mib": smi_peak_mib}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"real-scale run ({report['device']}): {'PASS' if report['ok'] else 'FAIL'}"]
+    lines += [f"  problem: {p}" for p in report["problems"]]
+    header = ("step", "step_s", "generation_s", "logp_s", "training_s", "gen_tok/s", "resp_len", "stale",
+              "masked")
+    lines.append("  " + "  ".join(f"{h:>12}" for h in header))
+    for s in report["per_step"]:
+        cells = (s["step"], s["step_s"], s["generation_s"], s["logp_s"], s["training_s"], s["gen_tokens_per_s"],
+                 s["response_length"], s["staleness_avg"], s["m2po_masked_fraction"])
+        lines.append("  " + "  ".join(f"{c:>12.4g}" if isinstance(c, (int, float)) else f"{'-':>12}" for c in cells))
+    peaks = ", ".join(f"{k} {v:.2f} GiB" for k, v in report["peak_memory_gib"].items()) or "not logged"
+    lines.append(f"  peak memory: {peaks}")
+    if report["nvidia_smi_peak_mib"] is not None:
+        lines.append(f"  nvidia-smi peak memory.used: {report['nvidia_smi_peak_mib'] / 1024:.2f} GiB")
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--exit-code", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--nvidia-smi", type=Path, default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    metrics = args.run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    report = build_report(rows, steps=args.steps, exit_code=args.exit_code, device=args.device,
+                          smi_peak_mib=nvidia_smi_peak_mib(args.nvidia_smi))
+    if not rows:
+        report["problems"].append(f"no metrics at {metrics}")
+        report["ok"] = False
+    write_json_atomic(args.out, report)
+    print(format_report(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

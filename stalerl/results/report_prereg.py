@@ -1,0 +1,298 @@
+"""Pre-registered claims: listed in the study spec before the grid runs, tested with statistics that can say no.
+
+A spec's ``claims`` mapping (copied into ``study.json``; see examples/math/study/chain_*.yaml)::
+
+    claims:
+      alpha: 0.025                     # one-sided level of every claim, family-wise over the study after Holm
+      baseline: vanilla @ fixed_staleness 0        # the on-policy cell of the paired table (shown once)
+      collapse: {after_step: 100, drop: 0.1, consecutive: 2, early_end: 150, final_evals: 3}
+      list:
+        - {id: clip-degrades, text: ..., test: less, a: vanilla @ fixed_staleness 16,
+           b: vanilla @ fixed_staleness 0, metric: last3}
+        - {id: m2po-tracks, test: equivalent, margin: 0.05, a: ..., b: ..., metric: auc}
+        - {id: ntr-collapses, test: collapses_more, a: no_trust_region @ fixed_staleness 16, b: ...}
+
+Cells are named ``method @ setting`` (method as the report labels it, setting as the run reports it). Tests, on
+runs that finished or diverged (a diverged run counts with accuracy 0 after it stopped, and as collapsed; see
+:mod:`stalerl.results.report_metrics`):
+
+- ``greater`` / ``less``: paired by seed (a seed fixes the initial weights, warm start and data order), one-sided
+  one-sample t-test of ``metric(a) - metric_b(b)`` against 0.
+- ``equivalent``: two one-sided tests (TOST) that the paired mean difference lies within ``(-margin, +margin)``;
+  an interval that merely contains 0 is *not* support.
+- ``collapses_more``: the pre-registered collapse rule per run, then a one-sided Fisher exact test that ``a``
+  collapses more often than ``b`` (counts, not paired). The paired early-peak-to-final drop is shown beside it.
+
+The p-values of a study's claims are Holm-adjusted together. Verdicts: **holds** (adjusted p <= alpha),
+**does not hold** (the test of the opposite, also Holm-adjusted across the study's claims, is significant: a < b
+for ``greater``, |difference| >= margin for ``equivalent``, b collapses more for ``collapses_more``), **not shown**
+(neither; includes claims with fewer than two paired seeds). tests/unit/test_report_prereg.py simulates null
+studies and checks each claim's false "holds" rate against alpha.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from stalerl.results.report_metrics import EVAL_METRICS, OUTCOME_STATUSES, CollapseRule, collapsed, run_metric
+from stalerl.results.report_stats import fisher_greater, format_estimate, holm_adjust, mean_interval, paired_test
+
+TESTS = ("greater", "less", "equivalent", "collapses_more")
+CLAIM_KEYS = {"id", "text", "test", "a", "b", "metric", "metric_b", "margin"}
+METRIC_NAMES = {"last3": "mean of last 3 evals", "auc": "eval-curve AUC", "final": "final eval",
+                "peak_drop": "early peak - final window"}
+
+
+class ClaimSpecError(ValueError):
+    pass
+
+
+def parse_cell(text: Any, where: str) -> tuple[str, str]:
+    if not isinstance(text, str) or " @ " not in text:
+        raise ClaimSpecError(f"{where}={text!r}: expected 'method @ setting', e.g. 'm2po @ fixed_staleness 16'")
+    method, setting = (x.strip() for x in text.split(" @ ", 1))
+    return method, setting
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    text: str
+    test: str
+    a: tuple[str, str]
+    b: tuple[str, str]
+    metric: str = "last3"
+    metric_b: Optional[str] = None
+    margin: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ClaimSet:
+    claims: tuple[Claim, ...]
+    alpha: float = 0.025
+    baseline: Optional[tuple[str, str]] = None
+    rule: CollapseRule = field(default_factory=CollapseRule)
+
+
+def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
+    """Validate a spec's ``claims`` mapping; every problem is one line naming the key and the fix."""
+    if not isinstance(spec, Mapping):
+        raise ClaimSpecError(f"{where}: expected a mapping with 'list' (and alpha, baseline, collapse)")
+    unknown = set(spec) - {"alpha", "baseline", "collapse", "list"}
+    if unknown:
+        raise ClaimSpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected alpha, baseline, "
+                             "collapse, list")
+    alpha = spec.get("alpha", 0.025)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 0.5:
+        raise ClaimSpecError(f"{where}.alpha={alpha!r}: expected a one-sided level in (0, 0.5), e.g. 0.025")
+    baseline = parse_cell(spec["baseline"], f"{where}.baseline") if spec.get("baseline") is not None else None
+    try:
+        rule = CollapseRule.from_spec(spec.get("collapse"), f"{where}.collapse")
+    except (TypeError, ValueError) as exc:
+        raise ClaimSpecError(str(exc)) from exc
+    items = spec.get("list")
+    if not isinstance(items, list) or not items:
+        raise ClaimSpecError(f"{where}.list: expected a non-empty list of claims (id, text, test, a, b, metric)")
+    claims, seen = [], set()
+    for i, c in enumerate(items):
+        w = f"{where}.list[{i}]"
+        if not isinstance(c, Mapping):
+            raise ClaimSpecError(f"{w}: expected a mapping with id, text, test, a, b")
+        bad = set(c) - CLAIM_KEYS
+        if bad:
+            raise ClaimSpecError(f"{w}: unknown key(s) {', '.join(sorted(bad))}; expected some of "
+                                 f"{', '.join(sorted(CLAIM_KEYS))}")
+        for key in ("id", "text", "test", "a", "b"):
+            if not c.get(key):
+                raise ClaimSpecError(f"{w}.{key} is required")
+        if c["id"] in seen:
+            raise ClaimSpecError(f"{w}.id={c['id']!r} is used twice; give every claim its own id")
+        seen.add(c["id"])
+        if c["test"] not in TESTS:
+            raise ClaimSpecError(f"{w}.test={c['test']!r}: expected one of {', '.join(TESTS)}")
+        metric = c.get("metric", "last3")
+        for key in ("metric", "metric_b"):
+            m = c.get(key)
+            if m is not None and (not isinstance(m, str) or not m):
+                raise ClaimSpecError(f"{w}.{key}={m!r}: expected {', '.join(EVAL_METRICS)} or a summary field path")
+        margin = c.get("margin")
+        if c["test"] == "equivalent":
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+                raise ClaimSpecError(f"{w}.margin={margin!r}: an equivalence claim needs a margin > 0, e.g. 0.05")
+        elif margin is not None:
+            raise ClaimSpecError(f"{w}.margin: only 'equivalent' claims take a margin; remove it")
+        claims.append(Claim(id=str(c["id"]), text=str(c["text"]), test=c["test"], a=parse_cell(c["a"], f"{w}.a"),
+                            b=parse_cell(c["b"], f"{w}.b"), metric=metric, metric_b=c.get("metric_b"),
+                            margin=None if margin is None else float(margin)))
+    return ClaimSet(tuple(claims), float(alpha), baseline, rule)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def outcome_runs(cells: Sequence[Any], cell: tuple[str, str]) -> list[Mapping[str, Any]]:
+    """The runs of ``method @ setting`` whose numbers are outcomes (finished or diverged), in seed order."""
+    for c in cells:
+        if (c.method, c.setting) == cell:
+            return sorted((r for r in (*c.finished, *getattr(c, "diverged", []))
+                           if r.get("status") in OUTCOME_STATUSES), key=lambda r: r["seed"])
+    return []
+
+
+def paired_values(cells, a: tuple[str, str], b: tuple[str, str], metric: str, metric_b: Optional[str],
+                  rule: CollapseRule) -> list[tuple[int, float, float]]:
+    """(seed, a's value, b's value) for every seed both cells have, in seed order."""
+    av = {r["seed"]: v for r in outcome_runs(cells, a) if (v := run_metric(r, metric, rule)) is not None}
+    bv = {r["seed"]: v for r in outcome_runs(cells, b) if (v := run_metric(r, metric_b or metric, rule)) is not None}
+    return [(s, av[s], bv[s]) for s in sorted(set(av) & set(bv))]
+
+
+@dataclass(frozen=True)
+class Result:
+    claim: Claim
+    p: Optional[float]  # the claim's one-sided p-value (TOST for equivalence, Fisher for collapse)
+    p_against: Optional[float]  # the opposite's
+    evidence: str
+    p_adj: Optional[float] = None
+    p_against_adj: Optional[float] = None
+    verdict: str = "not shown"
+
+
+def _sign(x: float, digits: int = 3) -> str:
+    return f"{x:+.{digits}f}"
+
+
+def test_claim(cells, claim: Claim, rule: CollapseRule, alpha: float) -> Result:
+    if claim.test == "collapses_more":
+        ra, rb = outcome_runs(cells, claim.a), outcome_runs(cells, claim.b)
+        ca = [x for x in (collapsed(r, rule) for r in ra) if x is not None]
+        cb = [x for x in (collapsed(r, rule) for r in rb) if x is not None]
+        if not ca or not cb:
+            return Result(claim, None, None, "no runs")
+        ka, kb = sum(ca), sum(cb)
+        pairs = paired_values(cells, claim.a, claim.b, "peak_drop", None, rule)
+        drop = mean_interval([x - y for _, x, y in pairs])
+        ev = (f"collapsed {ka}/{len(ca)} vs {kb}/{len(cb)}; paired early-peak-to-final drop difference "
+              f"{format_estimate(drop)}")
+        return Result(claim, fisher_greater(ka, len(ca), kb, len(cb)), fisher_greater(kb, len(cb), ka, len(ca)), ev)
+    pairs = paired_values(cells, claim.a, claim.b, claim.metric, claim.metric_b, rule)
+    t = paired_test([x - y for _, x, y in pairs])
+    if t.se is None:
+        return Result(claim, None, None, f"{t.n} paired seed(s)")
+    wins = sum(x > y for _, x, y in pairs)
+    digits = 4 if claim.metric.startswith("fractions.") else 3
+    est = mean_interval([x - y for _, x, y in pairs])
+    ev = f"difference {format_estimate(est, digits)}, a higher in {wins}/{t.n} seeds"
+    if claim.test == "greater":
+        return Result(claim, t.p_greater(), t.p_less(), ev)
+    if claim.test == "less":
+        return Result(claim, t.p_less(), t.p_greater(), ev)
+    lo, hi = t.interval(alpha)
+    ev += f"; {100 * (1 - 2 * alpha):g}% interval [{_sign(lo)}, {_sign(hi)}] vs margin ±{claim.margin:g}"
+    return Result(claim, t.p_equivalent(claim.margin),
+                  min(t.p_greater(claim.margin), t.p_less(-claim.margin)), ev)
+
+
+def evaluate(cells, claim_set: ClaimSet) -> list[Result]:
+    """Every claim tested, Holm-adjusted across the study (claims and their opposites as two families)."""
+    raw = [test_claim(cells, c, claim_set.rule, claim_set.alpha) for c in claim_set.claims]
+    adj = holm_adjust([r.p for r in raw])
+    adj_against = holm_adjust([r.p_against for r in raw])
+    out = []
+    for r, p, q in zip(raw, adj, adj_against):
+        verdict = "not shown"
+        if p is not None and p <= claim_set.alpha:
+            verdict = "holds"
+        elif q is not None and q <= claim_set.alpha:
+            verdict = "does not hold"
+        out.append(Result(r.claim, r.p, r.p_against, r.evidence, p, q, verdict))
+    return out
+
+
+def _p(p: Optional[float]) -> str:
+    if p is None:
+        return "-"
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def _cell_name(c: tuple[str, str]) -> str:
+    return f"{c[0]} @ {c[1]}"
+
+
+def _what(claim: Claim) -> str:
+    metric = METRIC_NAMES.get(claim.metric, claim.metric)
+    if claim.metric_b:
+        metric += f" vs {METRIC_NAMES.get(claim.metric_b, claim.metric_b)}"
+    if claim.test == "collapses_more":
+        return f"{_cell_name(claim.a)} collapses more often than {_cell_name(claim.b)} (Fisher exact)"
+    rel = {"greater": ">", "less": "<", "equivalent": "≈"}[claim.test]
+    extra = f" within ±{claim.margin:g} (TOST)" if claim.test == "equivalent" else " (paired t)"
+    return f"{_cell_name(claim.a)} {rel} {_cell_name(claim.b)}: {metric}{extra}"
+
+
+def render_prereg(cells, claim_set: ClaimSet) -> list[str]:
+    results = evaluate(cells, claim_set)
+    r = claim_set.rule
+    lines = [f"Pre-registered claims (listed in the study spec before the runs; one-sided level α = "
+             f"{claim_set.alpha:g} per claim, Holm-adjusted across the study's {len(results)} claims; paired by "
+             "seed; a diverged run counts with accuracy 0 after it stopped and as collapsed). Collapse: the eval "
+             f"falls ≥ {r.drop:g} below the run's running best for {r.consecutive} consecutive evals at steps ≥ "
+             f"{r.after_step}, or the run diverged; early-peak-to-final drop: the best eval at steps ≤ {r.early_end} "
+             f"minus the mean of the last {r.final_evals}. Holds: adjusted p ≤ α; does not hold: the opposite is "
+             "significant after adjustment; not shown: neither.", "",
+             "| claim | test | evidence | p | Holm p | verdict |", "|---|---|---|---|---|---|"]
+    for x in results:
+        lines.append(f"| {x.claim.id}: {x.claim.text} | {_what(x.claim)} | {x.evidence} | {_p(x.p)} | "
+                     f"{_p(x.p_adj)} | **{x.verdict}** |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ paired table
+def render_paired_table(cells, claim_set: ClaimSet, metrics: Sequence[str] = ("last3", "auc")) -> list[str]:
+    """One compact table: per stale setting and primary metric, each loss minus the on-policy baseline, M2PO minus
+    clip, M2PO minus no trust region (paired mean ± 95% half-width, wins/n), with the adjusted verdicts of the
+    claims on that row. The on-policy baseline is shown once, above the table."""
+    base = claim_set.baseline  # None (e.g. an asynchronous grid with no on-policy run): no "- on-policy" columns
+    results = evaluate(cells, claim_set)
+    methods = list(dict.fromkeys(c.method for c in cells if (c.method, c.setting) != base))
+    settings = list(dict.fromkeys(c.setting for c in cells if base is None or c.setting != base[1]))
+    comparisons = [(f"{m} − on-policy", m, base) for m in methods] if base else []
+    if "m2po" in methods:
+        comparisons += [(f"m2po − {o}", "m2po", o) for o in ("vanilla", "no_trust_region") if o in methods]
+    if not comparisons:
+        return []
+    intro = "Paired differences (mean over seeds ± 95% t half-width, then a-higher wins/n)."
+    if base:
+        base_runs = outcome_runs(cells, base)
+        base_text = "; ".join(f"{METRIC_NAMES[m]} {format_estimate(mean_interval(v))}" for m in metrics
+                              if (v := [x for r in base_runs if (x := run_metric(r, m, claim_set.rule)) is not None]))
+        intro += f" On-policy baseline {_cell_name(base)} (n={len(base_runs)}): {base_text or 'no runs'}."
+    header = ["setting", "metric", *(name for name, _, _ in comparisons), "claims (adjusted verdict)"]
+    lines = [intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for setting in settings:
+        for metric in metrics:
+            row = [setting, METRIC_NAMES[metric]]
+            for _, a_method, other in comparisons:
+                b = other if isinstance(other, tuple) else (other, setting)
+                pairs = paired_values(cells, (a_method, setting), b, metric, None, claim_set.rule)
+                if not pairs:
+                    row.append("-")
+                    continue
+                est = mean_interval([x - y for _, x, y in pairs])
+                wins = sum(x > y for _, x, y in pairs)
+                row.append(f"{format_estimate(est)} ({wins}/{len(pairs)})")
+            tags = [f"{x.claim.id}: {x.verdict}" for x in results
+                    if x.claim.metric == metric and setting in (x.claim.a[1], x.claim.b[1])
+                    and x.claim.test != "collapses_more"]
+            row.append("; ".join(tags) or "-")
+            lines.append("| " + " | ".join(row) + " |")
+    collapse = [x for x in results if x.claim.test == "collapses_more"]
+    if collapse:
+        lines += ["", *(f"- {x.claim.id} ({_what(x.claim)}): {x.evidence}; Holm p {_p(x.p_adj)}: "
+                        f"**{x.verdict}**" for x in collapse)]
+    return lines
+
+
+def is_prereg(claims: Any) -> bool:
+    """A new-style claims mapping (the legacy 'staleness' / 'async' strings keep their old rendering)."""
+    return isinstance(claims, Mapping)
+

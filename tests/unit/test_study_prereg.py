@@ -1,0 +1,119 @@
+"""Study specs with pre-registered claims, restricted grids (setting_losses), optimizer variants, and the pilot's
+decision rule (stalerl.launch.study, stalerl.results.pilot)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from conftest import REPO
+from stalerl.results.pilot import check_pilot
+from stalerl.results.report import group, render_markdown
+from stalerl.results.report_metrics import CollapseRule
+from stalerl.launch.study import StudyError, _grid, check_settings, expand, load_spec
+
+STUDY = REPO / "examples" / "math" / "study"
+
+
+def _write(tmp_path, spec: dict):
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def test_chain_specs_run_on_policy_once_and_name_only_cells_they_run(tmp_path):
+    spec = load_spec(STUDY / "chain_staleness.yaml")
+    runs = expand(spec)
+    assert len(runs) == 8 * (1 + 3)
+    assert [r["method"] for r in runs if r["setting"] == "fixed_staleness 0"] == ["vanilla"] * 8
+    assert ["vanilla", "fixed_staleness 0"] in _grid(spec) and ["m2po", "fixed_staleness 0"] not in _grid(spec)
+    raw = yaml.safe_load((STUDY / "chain_staleness.yaml").read_text())
+    bad = copy.deepcopy(raw)
+    bad["claims"]["list"][0]["b"] = "m2po @ fixed_staleness 0"  # on-policy m2po is never run
+    with pytest.raises(StudyError, match="names 'm2po @ fixed_staleness 0', which the grid does not run"):
+        load_spec(_write(tmp_path, bad))
+    bad = copy.deepcopy(raw)
+    bad["claims"]["list"][2].pop("margin")
+    with pytest.raises(StudyError, match="needs a margin > 0"):
+        load_spec(_write(tmp_path, bad))
+    bad = copy.deepcopy(raw)
+    bad["setting_losses"] = {"fixed_staleness 0": ["sgd"]}
+    with pytest.raises(StudyError, match="setting_losses"):
+        load_spec(_write(tmp_path, bad))
+
+
+def test_pilot_variants_are_labelled_as_their_runs_report_them(tmp_path):
+    spec = load_spec(STUDY / "chain_pilot.yaml")
+    runs = expand(spec)
+    assert len(runs) == 3 * 3 * 2
+    spec["seeds"] = [1]
+    picked = [r for r in expand(spec) if r["setting"] != "fixed_staleness 256"]
+    assert len(check_settings(spec, picked)) == 6  # labels and setting names are what the runs report
+    spec["variants"] = {"lr=3e-4": ["actor.optimizer.lr=3e-4", "actor.optimizer.gradient_clipping=1.0"]}
+    with pytest.raises(StudyError, match="reports method 'loss=vanilla, lr=0.0003, gradient_clipping=1.0'"):
+        check_settings(spec, expand(spec)[:1])
+
+
+def _run(loss: str, method: str, setting: str, seed: int, curve, status: str = "finished") -> dict:
+    return {"schema": 2, "run": f"{method}-{setting}-{seed}", "status": status, "seed": seed, "loss": loss,
+            "method": method, "setting": setting, "steps_planned": 300, "eval_every": 25,
+            "curves": {"eval/accuracy": [[s, v] for s, v in curve]}}
+
+
+def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
+    from stalerl.results.pilot import decide
+
+    steps = range(0, 301, 25)
+    rise = [(s, 0.2 + s / 1000) for s in steps]
+    boom = [(s, 0.2 + s / 500 if s <= 150 else 0.1) for s in steps]  # prospers to 0.5, then falls to 0.1
+    runs = []
+    for seed in (1, 2):
+        runs += [_run("vanilla", "loss=vanilla, lr=a", "fixed_staleness 0", seed, rise),
+                 _run("vanilla", "loss=vanilla, lr=b", "fixed_staleness 0", seed, rise),
+                 _run("no_trust_region", "loss=no_trust_region, lr=a", "fixed_staleness 64", seed, rise),
+                 _run("no_trust_region", "loss=no_trust_region, lr=b", "fixed_staleness 64", seed, boom),
+                 # an m2po run that collapses must not change anything: the rule never reads it
+                 _run("m2po", "loss=m2po, lr=a", "fixed_staleness 64", seed, boom)]
+    runs[-2]["curves"]["eval/accuracy"] = [[0, 0.2], [25, 0.3]]
+    runs[-2]["status"] = "diverged"  # seed 2 of lr=b diverges instead: still a collapse
+    cells = group(runs, method_keys=["method"])
+    rows, chosen = decide(cells, {"stale_loss": "no_trust_region", "on_policy": "fixed_staleness 0",
+                                  "prosper": 0.05}, CollapseRule())
+    assert chosen == "lr=b @ fixed_staleness 64"
+    assert [r[0] for r in rows] == ["lr=a @ fixed_staleness 64", "lr=b @ fixed_staleness 64"]
+    assert rows[0][-1] == "no" and rows[1][1:] == ["2/2", "2/2", "0/2", "yes"]
+    for r in runs:  # on-policy collapses too: no regime qualifies (a negative result)
+        if r["loss"] == "vanilla" and r["method"].endswith("lr=b"):
+            r["curves"]["eval/accuracy"] = [[s, v] for s, v in boom]
+    assert decide(group(runs, method_keys=["method"]), {}, CollapseRule())[1] is None
+    md = render_markdown(group(runs, method_keys=["method"]), study="p", pilot={"prosper": 0.05})
+    assert "No regime qualifies: a negative result" in md
+    assert "| lr=b @ fixed_staleness 64 | 2/2 | 2/2 | 2/2 | no |" in md
+    with pytest.raises(ValueError, match="pilot.prosper"):
+        check_pilot({"prosper": 5})
+
+
+def test_stalerl_study_pilot_prints_the_decision(tmp_path, capsys):
+    import json
+
+    from stalerl.launch.study import main
+
+    steps = range(0, 401, 50)
+    for seed in (1, 2):
+        for loss, setting, curve in (("vanilla", "fixed_staleness 0", [(s, 0.3 + s / 2000) for s in steps]),
+                                     ("no_trust_region", "fixed_staleness 64",
+                                      [(s, 0.3 + s / 1000 if s <= 150 else 0.1) for s in steps])):
+            run = _run(loss, "", setting, seed, curve)
+            run.update({"lr": 0.001, "gradient_clipping": 1.0, "run": f"{loss}-{seed}"})
+            (tmp_path / f"{loss}-{seed}.json").write_text(json.dumps(run))
+    spec = yaml.safe_load((STUDY / "chain_pilot.yaml").read_text())
+    spec["settings"] = {k: v for k, v in spec["settings"].items() if k != "fixed_staleness 256"}
+    spec["setting_losses"].pop("fixed_staleness 256")
+    spec_path = _write(tmp_path / "spec", spec) if (tmp_path / "spec").mkdir() is None else None
+    assert main(["pilot", str(tmp_path), "--spec", str(spec_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64 | 2/2 | 2/2 | 0/2 | yes |" in out
+    assert "Chosen regime: lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64" in out
+    assert main(["pilot", str(tmp_path), "--spec", str(STUDY / "chain_staleness.yaml")]) == 2  # no pilot rule
