@@ -10,6 +10,7 @@ micro-batch first, when there is more than one micro-batch or rank) and hands ea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
-from stalerl.training import fsdp
+from stalerl.core.chunked_logprob import head_returns_token_logprobs, reproduces_plain_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
+from stalerl.training import fsdp
 
 # Elements of a (rows, tokens, vocab) logits block turned into log-probs at once: bounds the float32 temporaries of
 # the no-grad passes (behaviour recompute, M2PO's selection pass) to ~64 MB whatever the micro-batch size.
@@ -149,6 +151,10 @@ class Actor:
         # on-policy log-ratio of exactly 0 and an update that does not depend on the micro-batch split.
         disable_dropout(model)
         self._logits_to_keep = _accepts_logits_to_keep(model)
+        # Log-probs from the last hidden states in chunks (stalerl.core.chunked_logprob): a micro-batch's (tokens x vocab)
+        # logits never exist. Used when the model's head verifiably gives the plain log-probs (a bias-free linear
+        # head whose logits the model does not post-process, e.g. no soft-capping); else the plain logits path.
+        self.chunked_logprobs = reproduces_plain_logprobs(model)
         # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
         # micro-batch's padded width, which would make the update depend on the split.
         self.loss_scale_factor = loss_scale_factor
@@ -174,13 +180,18 @@ class Actor:
         if self._logits_to_keep:
             # Only the last r+1 positions: the prompt's logits (rows x prompt x vocab) are never computed.
             kwargs["logits_to_keep"] = r + 1
-        with autocast_context(self.device, self.compute_dtype):
+        # position t predicts token t+1: the response tokens are predicted from columns p-1 .. p+r-2 (the first r
+        # of the r+1 kept columns)
+        columns = slice(0, r) if self._logits_to_keep else slice(p - 1, p + r - 1)
+        ids = mb.response_ids.to(self.device)
+        head = (head_returns_token_logprobs(self.model, ids, columns, self.temperature) if self.chunked_logprobs
+                else contextlib.nullcontext())
+        with autocast_context(self.device, self.compute_dtype), head:
             out = self.model(input_ids=input_ids, attention_mask=attn.long(),
                              position_ids=position_ids_from_mask(attn), use_cache=False, **kwargs)
-        # logits at position t predict token t+1: the response tokens are predicted from columns p-1 .. p+r-2
-        # (the first r of the r+1 kept columns).
-        logits = out.logits[:, :r] if self._logits_to_keep else out.logits[:, p - 1:p + r - 1]
-        return token_logprobs(logits, mb.response_ids.to(self.device), self.temperature)
+        if self.chunked_logprobs:
+            return out.logits  # the head returned the (N, r) float32 log-probs
+        return token_logprobs(out.logits[:, columns], ids, self.temperature)
 
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         """Consecutive rows packed while rows x padded width stays within max_tokens_per_mb (at least one row)."""
@@ -214,7 +225,7 @@ class Actor:
             lp = self._forward_logp(mb).cpu()
             out[rows, :lp.shape[1]] = torch.where(mb.response_mask, lp, torch.zeros_like(lp))
         for _ in range(self._missing_passes(len(micro))):
-            fsdp.dummy_forward(self.model, self.device)
+            fsdp.dummy_forward(self.model, self.device, self.compute_dtype)
         self.model.train(was_training)
         self.logp_seconds += time.perf_counter() - start
         return out
@@ -342,7 +353,7 @@ class Actor:
                 if bool(mb.response_mask.any()):
                     max_log_ratio = max(max_log_ratio, float(d[mb.response_mask].max()))
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
-            fsdp.dummy_forward(self.model, self.device).backward()
+            fsdp.dummy_forward(self.model, self.device, self.compute_dtype).backward()
         if self.dp.size > 1:
             if not self.sharded:  # FSDP2 has already averaged the gradients in its reduce-scatters
                 # Flattened buckets, one all-reduce each; a rank with no rows joins with zero gradients.

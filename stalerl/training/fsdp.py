@@ -2,13 +2,29 @@
 gradient all-reduce of the plain engine (``torch:dY``).
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every decoder layer, then the root (embeddings, final norm,
-tied head), over all Y train ranks. Parameters are sharded in fp32 (the master weights the optimizer steps); with
-``actor.dtype=bfloat16`` a ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` all-gathers them in bf16
-for the forward/backward and reduce-scatters gradients in fp32. The actor's forward still runs under the same
-``torch.autocast`` as generation and the plain engine (stalerl.core.model.autocast_context), so norms and softmax keep
-the numerics the rollout engine sampled with; the policy's bf16 cast of the fp32 shards equals autocast's cast of
-fp32 weights. Gradients are averaged over ranks by the reduce-scatter, matching the plain engine's all-reduce +
-divide.
+tied head), over all Y train ranks. Parameters are sharded in fp32 (the master weights the optimizer steps), and
+the forward runs under the same ``torch.autocast`` as generation and the plain engine
+(stalerl.core.model.autocast_context), so ``fsdp:dY`` computes what ``torch:dY`` computes in either dtype.
+
+bf16 (``actor.dtype=bfloat16``). Autocast keeps fp32 parameters and casts to bf16 only the inputs of the ops on its
+lower-precision list: in a transformer, the weights and biases of the ``nn.Linear`` projections. Embeddings, norm
+weights and hence the residual stream stay fp32. FSDP's ``param_dtype`` casts *every* parameter of a group, so one
+bf16 policy over a whole layer or the root would run norms, embeddings and the residual stream in bf16 (a different
+computation: log-probs up to ~7e-3 away from the rollout engine's, ~1% different updates). Instead the groups follow
+autocast (:func:`shard_model`): inside each decoder layer, every largest submodule whose parameters all belong to
+``nn.Linear`` modules (Qwen2/Llama: ``self_attn``, ``mlp``) is its own group with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False)``: its weights are
+all-gathered in bf16, which is exactly the cast autocast would make of the fp32 weights (round to nearest), its fp32
+inputs are left for autocast to cast as in the plain engine, and its bf16 weight gradients (what the plain engine's
+bf16 matmuls produce before the cast back to fp32) are reduce-scattered in fp32. The rest of each layer (norms) and
+the root (embeddings, tied head, final norm) keep fp32 groups. So values and gradients are the plain engine's,
+operation for operation; only the order of the fp32 gradient sums over ranks differs (tests/unit/test_fsdp.py).
+All-gather bytes per full unshard (:func:`all_gather_bytes`), Qwen2.5-1.5B (1.54B parameters, 233M of them the tied
+embedding): 3.55 GB, against 6.17 GB for fp32 everywhere and 3.09 GB for the bf16-everywhere policy (+15%); the
+gradient reduce-scatters are fp32 in every case. Each layer then issues three all-gathers (norms, attention, MLP)
+instead of one.
+
+Gradients are averaged over ranks by the reduce-scatter, matching the plain engine's all-reduce + divide.
 
 Transport. nccl on GPUs; on CPU the gloo backend of torch 2.13 implements everything FSDP2 calls
 (``all_gather_into_tensor``, ``reduce_scatter_tensor`` with SUM/AVG, fp32 and bf16; checked by
@@ -88,7 +104,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def mixed_precision_policy(dtype: str):
-    """fp32 everywhere for float32; bf16 compute with fp32 gradient reduction for bfloat16 (shared design)."""
+    """The policy of the groups that hold only ``nn.Linear`` parameters: plain fp32 for float32; for bfloat16, bf16
+    all-gathers (autocast's cast of those weights), fp32 gradient reduction, and inputs left to autocast (FSDP would
+    otherwise cast every floating input, e.g. the rotary cos/sin, which autocast keeps in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from stalerl.core.model import parse_dtype
@@ -96,23 +114,65 @@ def mixed_precision_policy(dtype: str):
     compute = parse_dtype(dtype)
     if compute == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def _only_linear_parameters(module: torch.nn.Module) -> bool:
+    """Every parameter of ``module`` belongs directly to an ``nn.Linear`` inside it (and it has some)."""
+    owners = [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+    return bool(owners) and all(isinstance(m, torch.nn.Linear) for m in owners)
+
+
+def linear_groups(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest submodules of ``layer`` (not the layer itself) whose parameters are all ``nn.Linear`` weights
+    and biases: the parameters autocast runs in bf16 (Qwen2: ``self_attn`` and ``mlp``; a Qwen3 attention, which
+    holds q/k norms, contributes its four projections one by one)."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if _only_linear_parameters(child):
+                found.append(child)
+            elif next(child.parameters(), None) is not None:
+                visit(child)
+
+    visit(layer)
+    return found
 
 
 def shard_model(model: torch.nn.Module, world_size: int, dtype: str = "float32") -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root, over a 1-D mesh of all ``world_size`` ranks (the default
-    process group). Parameters are cast to fp32 first: the sharded parameters are the master weights."""
+    process group). Parameters are cast to fp32 first: the sharded parameters are the master weights. For bfloat16
+    the linear projections inside each layer are groups of their own with the bf16 policy (module doc); layers and
+    root keep fp32 parameters."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     model.to(torch.float32)
     mesh = init_device_mesh(device.type, (world_size,))
-    policy = mixed_precision_policy(dtype)
+    linear_policy = mixed_precision_policy(dtype)
+    fp32 = MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        if linear_policy.param_dtype is not None:
+            for group in linear_groups(layer):
+                fully_shard(group, mesh=mesh, mp_policy=linear_policy)
+        fully_shard(layer, mesh=mesh, mp_policy=fp32)
+    fully_shard(model, mesh=mesh, mp_policy=fp32)
     return model
+
+
+def all_gather_bytes(model: torch.nn.Module, dtype: str) -> dict[str, int]:
+    """Bytes one full unshard of ``model`` (unsharded; a meta-device model is fine) all-gathers: ``ours`` with
+    :func:`shard_model`'s groups, ``fp32`` with fp32 everywhere, ``all_low`` with ``param_dtype`` on every group."""
+    from stalerl.core.model import parse_dtype
+
+    low = parse_dtype(dtype).itemsize
+    in_linear_groups = {id(p) for layer in decoder_layers(model) for g in linear_groups(layer) for p in g.parameters()}
+    params = list(model.parameters())  # tied weights once
+    total = sum(p.numel() for p in params)
+    linear = sum(p.numel() for p in params if id(p) in in_linear_groups)
+    return {"ours": linear * low + (total - linear) * 4, "fp32": total * 4, "all_low": total * low}
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -127,11 +187,15 @@ def max_over_ranks(value: int, group: Any) -> int:
     return int(t[0])
 
 
-def dummy_forward(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+def dummy_forward(model: torch.nn.Module, device: torch.device, compute_dtype: Any = "float32") -> torch.Tensor:
     """One token through the sharded model, so this rank joins the all-gathers of a micro-batch it does not have.
-    Returns a zero loss connected to every parameter (its backward joins the reduce-scatters, adding zeros)."""
+    Returns a zero loss connected to every parameter (its backward joins the reduce-scatters, adding zeros). Runs
+    under the actor's autocast: bf16 linear groups take fp32 inputs only through autocast."""
+    from stalerl.core.model import autocast_context
+
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    with autocast_context(device, compute_dtype):
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     return out.logits.float().sum() * 0.0
 
 

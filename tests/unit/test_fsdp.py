@@ -108,3 +108,86 @@ def test_gloo_has_the_collectives_fsdp2_needs_and_buckets_average(tmp_path):
         calls, grads = r["buckets"]
         assert calls == 2  # 12 + 20 bytes close the first bucket at 16 bytes; the 8-byte tensor makes the second
         assert grads == [[0.5] * 3, [1.5] * 5, [1.0] * 2]  # (r0 + r1) / 2; the missing grad counted as 0
+
+
+# ------------------------------------------------------------------------------------ bf16 (actor.dtype=bfloat16)
+def _spawn_bf16(engine: str, out_dir, rows: int) -> dict:
+    mp.spawn(fsdp_dist_worker.run_rank_bf16, args=(2, _port(), str(out_dir), engine), nprocs=2, join=True)
+    parts = [torch.load(out_dir / f"bf16-{engine}-{r}.pt", weights_only=False) for r in (0, 1)]
+    logp = torch.zeros((rows, max(p["logp"].shape[1] for p in parts)), dtype=torch.float32)
+    for p in parts:  # each rank's on-policy log-probs of its own rows
+        logp[p["rows"], :p["logp"].shape[1]] = p["logp"]
+    return {**parts[0], "logp": logp}
+
+
+def _log_ratio_stats(logp: torch.Tensor, batch) -> torch.Tensor:
+    """Mean, second moment (M2) and max |.| of the on-policy log-ratio over valid tokens."""
+    m = batch.response_mask
+    d = torch.where(m, logp[:, :m.shape[1]] - batch.behavior_logp, torch.zeros(()))
+    n = m.sum()
+    return torch.stack([d.sum() / n, (d * d).sum() / n, d.abs().max()]).double()
+
+
+def _update_difference(got: dict, ref: dict, key: str) -> float:
+    """|| update(got) - update(ref) || / || update(ref) || over all parameters (SGD: update = -lr x gradient)."""
+    num = sum(float(((got[key][n] - ref[key][n]).double() ** 2).sum()) for n in ref[key])
+    den = sum(float(((ref[key][n] - ref["weights_0"][n]).double() ** 2).sum()) for n in ref[key])
+    return (num / den) ** 0.5
+
+
+# Tolerances. The three engines run the same bf16 operations on the same fp32 master weights (fsdp: linear groups
+# all-gathered in bf16 = autocast's cast; norms, embeddings, residual stream fp32), so the on-policy log-probs agree
+# to float rounding of the statistics (1e-6) and the gradients differ only in the order of the fp32 sums over ranks
+# and micro-batches and the clip-norm reduction: k partial sums add at most k * 2^-24 relative error, k <= 8 here,
+# i.e. <= 5e-7 of the update; UPDATE_TOL leaves 20x margin. A computation that differs in one bf16 rounding per op
+# in the residual stream is far outside it: bf16 vs fp32 compute differ by ~7e-3 of the update here, and the old
+# all-parameters-bf16 FSDP policy (checked below) by ~9e-3.
+STATS_TOL = 1e-6
+UPDATE_TOL = 1e-5
+
+
+def test_bf16_fsdp_d2_torch_d2_and_torch_d1_compute_the_same(tmp_path):
+    ref = fsdp_dist_worker.reference_bf16()
+    ref_stats = _log_ratio_stats(ref["logp"], ref["batch"])
+    assert 0 < float(ref_stats[2]) < 0.01  # bf16 engine noise (KV-cache generation vs one forward), not 0
+    fp32 = fsdp_dist_worker.reference_bf16("float32")
+    assert _update_difference(fp32, ref, "weights_1") > 100 * UPDATE_TOL  # bf16 really ran, and the test can see it
+    rows = ref["batch"].num_rows
+    for engine in ("fsdp", "torch"):
+        got = _spawn_bf16(engine, tmp_path, rows)
+        torch.testing.assert_close(got["logp"], ref["logp"], rtol=0, atol=STATS_TOL)
+        torch.testing.assert_close(_log_ratio_stats(got["logp"], ref["batch"]), ref_stats, rtol=0, atol=STATS_TOL)
+        for key in ("weights_1", "weights_2"):
+            assert _update_difference(got, ref, key) < UPDATE_TOL, (engine, key, _update_difference(got, ref, key))
+        for mine, theirs in zip(got["metrics"], ref["metrics"]):
+            for k in ("actor/loss", "actor/grad_norm"):
+                assert mine[k] == pytest.approx(theirs[k], rel=1e-5), (engine, k)
+        if engine == "fsdp":  # what the sharded forward saw: bf16 projections, fp32 norms, embeddings and head
+            seen = got["seen"]
+            assert {n for n, d in seen.items() if d == "torch.bfloat16"} == {
+                f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+                    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+            assert seen["model.embed_tokens"] == seen["model.norm"] == seen["lm_head"] == "torch.float32"
+            assert seen["model.layers.0.input_layernorm"] == "torch.float32"
+    # The previous policy (param_dtype=bf16 on every group: bf16 norms, embeddings, residual stream) fails both checks.
+    old = _spawn_bf16("fsdp-bf16-params", tmp_path, rows)
+    assert float((old["logp"] - ref["logp"]).abs().max()) > 100 * STATS_TOL
+    assert _update_difference(old, ref, "weights_1") > 100 * UPDATE_TOL
+
+
+def test_linear_groups_and_all_gather_bytes_of_a_qwen2_5_1_5b_layout():
+    """The bf16 groups are exactly the modules autocast computes in bf16; bytes per full unshard for the shipped
+    model's architecture (built on the meta device, nothing downloaded)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    layer = fsdp.decoder_layers(model)[0]
+    assert [type(m).__name__ for m in fsdp.linear_groups(layer)] == ["Qwen2Attention", "Qwen2MLP"]
+    b = fsdp.all_gather_bytes(model, "bfloat16")
+    assert b["fp32"] == 4 * 1_543_714_304  # Qwen2.5-1.5B's parameter count (tied embedding once)
+    assert round(b["ours"] / 1e9, 2) == 3.55 and round(b["fp32"] / 1e9, 2) == 6.17
+    assert round(b["all_low"] / 1e9, 2) == 3.09
