@@ -36,7 +36,7 @@ import stalerl.training.actor as actor_mod
 if sys.argv[1] == "plain":
     actor_mod.reproduces_plain_logprobs = lambda model: False
 sys.argv = ["gsm8k_rl.py", *sys.argv[2:]]
-from stalerl.cli import main
+from stalerl.launch.cli import main
 code = main()
 print("PEAK_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 sys.exit(code)
