@@ -120,18 +120,26 @@ def two_end_token_policy(tmp_path):
     return load_policy(str(save_two_end_token_model(tmp_path / "two-end-tokens")), dtype="float32", device="cpu")
 
 
+# Markers of tests that need a package living in its own virtual environment: marker -> (module, CI command).
+# Where the module is missing they are skipped with the reason (a marker, not a module-level skip, so runs that
+# deselect them report nothing); with STALERL_REQUIRE_<MARKER>=1 (CI's step for that environment) a missing module is
+# a usage error instead, so that step can never pass as a row of skips.
+_SEPARATE_ENVIRONMENTS = {
+    "vllm": ("vllm", "bash scripts/setup_vllm.sh, then run pytest -m vllm there"),
+    "areal": ("areal", "bash scripts/ci_areal.sh"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """vllm-marked tests need vLLM (its own virtual environment): skipped with the reason where it is missing, and
-    a failure instead when STALERL_REQUIRE_VLLM=1 (CI's vLLM step must really run them)."""
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    required = os.environ.get("STALERL_REQUIRE_VLLM") == "1"
-    reason = ("vllm is not importable in this environment; the vLLM tests run in the vLLM virtual environment "
-              "(bash scripts/setup_vllm.sh, then run pytest -m vllm there)")
-    if required and any("vllm" in item.keywords for item in items):
-        raise pytest.UsageError("STALERL_REQUIRE_VLLM=1 but " + reason)
-    for item in items:
-        if "vllm" in item.keywords:
+    for marker, (module, command) in _SEPARATE_ENVIRONMENTS.items():
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if not marked or importlib.util.find_spec(module) is not None:
+            continue
+        reason = (f"{module} is not importable in this environment; the {marker}-marked tests run in their own "
+                  f"virtual environment ({command})")
+        if os.environ.get(f"STALERL_REQUIRE_{marker.upper()}") == "1":
+            raise pytest.UsageError(f"STALERL_REQUIRE_{marker.upper()}=1 but " + reason)
+        for item in marked:
             item.add_marker(pytest.mark.skip(reason=reason))

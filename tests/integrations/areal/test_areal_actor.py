@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _areal_fixtures import model_dir  # noqa: F401 - pytest fixture
 import torch
 
 HERE = Path(__file__).resolve().parent

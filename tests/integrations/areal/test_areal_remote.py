@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from _areal_fixtures import model_dir  # noqa: F401 - pytest fixture
+
 
 pytestmark = pytest.mark.areal
 
