@@ -1,6 +1,7 @@
 """What the TRL adapter needs without importing TRL: loss names, the TRL check, and GRPOConfig's rules.
 
-Kept free of ``trl`` (torch only where FIPO's rules are checked) so the rules can be unit-tested and the import error stays one clear line.
+Kept free of ``trl`` (torch only where FIPO's rules are checked) so the rules can be unit-tested and the import
+error stays one clear line.
 """
 
 from __future__ import annotations
@@ -95,6 +96,6 @@ def validate_grpo_args(args: Any) -> None:
                              f"({why}); set {field}={want}")
     spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
     if spg % ga != 0:
-        raise ValueError(f"GRPOConfig.steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={ga} "
-                         f"with loss_type={loss!r}: otherwise an optimizer step spans two generation batches and its "
+        raise ValueError(f"GRPOConfig.steps_per_generation={spg} must be a multiple of "
+                         f"gradient_accumulation_steps={ga} with loss_type={loss!r}: otherwise an optimizer step spans two generation batches and its "
                          f"micro-batches are not all known at its first one; set steps_per_generation={ga}")
