@@ -5,7 +5,8 @@ tokens, optimizer and thread budget; ratios against TRL measured by this same sc
                                    [--new-tokens 64]
 
 Needs ``trl`` in the running environment or in ``--trl-python``'s (pip install "stalerl[trl]" in a venv of its
-own). With ``--engine vllm`` stalerl's runs use rollout.backend=vllm:d1 (run it from the vLLM venv, which then also needs trl).
+own). With ``--engine vllm`` stalerl's runs use rollout.backend=vllm:d1 (run it from the vLLM venv, which then also
+needs trl).
 
 Setup (every system): the from-scratch Qwen2 of bench/vllm_throughput.py "medium" (hidden 512, 8 layers, ~27M
 parameters, random init with seed 1, char tokenizer), synthetic addition prompts, 4 prompts x group 4 per step,

@@ -97,5 +97,5 @@ def validate_grpo_args(args: Any) -> None:
     spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
     if spg % ga != 0:
         raise ValueError(f"GRPOConfig.steps_per_generation={spg} must be a multiple of "
-                         f"gradient_accumulation_steps={ga} with loss_type={loss!r}: otherwise an optimizer step spans two generation batches and its "
-                         f"micro-batches are not all known at its first one; set steps_per_generation={ga}")
+                         f"gradient_accumulation_steps={ga} with loss_type={loss!r}: otherwise an optimizer step "
+                         f"spans two generation batches and its micro-batches are not all known at its first one; set steps_per_generation={ga}")
