@@ -98,4 +98,5 @@ def validate_grpo_args(args: Any) -> None:
     if spg % ga != 0:
         raise ValueError(f"GRPOConfig.steps_per_generation={spg} must be a multiple of "
                          f"gradient_accumulation_steps={ga} with loss_type={loss!r}: otherwise an optimizer step "
-                         f"spans two generation batches and its micro-batches are not all known at its first one; set steps_per_generation={ga}")
+                         f"spans two generation batches and its micro-batches are not all known at its first one; "
+                         f"set steps_per_generation={ga}")
