@@ -21,10 +21,9 @@ echo "torch==${TORCH_VERSION}" > "$pin"
 "$PY" -m pip install -q "torch==${TORCH_VERSION}"          # CPU torch first: nothing below may pull a CUDA build
 "$PY" -m pip install -q "trl==${TRL_VERSION}" -c "$pin"
 "$PY" -m pip freeze --exclude-editable > "$before"
-# The adapter needs only torch + recipe + trl, and the tests only pytest: install the project without its
-# dependencies so TRL's resolved set stays exactly as TRL's own install left it (checked below).
-"$PY" -m pip install -q -e . --no-deps
-"$PY" -m pip install -q pytest -c "$pin"
+# The adapter needs only torch + recipe + trl; the project's own requirements (omegaconf, tqdm, ...) are added
+# with torch pinned, and nothing TRL installed may change version (checked below), so TRL's pins stay as they were.
+"$PY" -m pip install -q -e ".[trl]" pytest -c "$pin"
 "$PY" - "$before" <<'PY'
 import subprocess, sys
 def versions(lines):
