@@ -2,15 +2,15 @@
 tokens, optimizer and thread budget; ratios against TRL measured by this same script.
 
     python bench/trl_vs_stalerl.py [--systems trl,sync,async] [--engine hf|vllm] [--steps 35] [--warmup 5]
-                                   [--new-tokens 64]
+                                   [--new-tokens 64] [--shape medium|small] [--trl-python PY]
 
 Needs ``trl`` in the running environment or in ``--trl-python``'s (pip install "stalerl[trl]" in a venv of its
 own). With ``--engine vllm`` stalerl's runs use rollout.backend=vllm:d1 (run it from the vLLM venv, which then also
 needs trl).
 
 Setup (every system): the from-scratch Qwen2 of bench/vllm_throughput.py "medium" (hidden 512, 8 layers, ~27M
-parameters, random init with seed 1, char tokenizer), synthetic addition prompts, 4 prompts x group 4 per step,
-temperature 1, max new tokens as given, AdamW lr 1e-5 betas (0.9, 0.99) no weight decay, clip 1.0, constant lr, no KL
+parameters, random init with seed 1, char tokenizer; ``--shape small``: hidden 256, 4 layers, ~3.4M), synthetic
+addition prompts, 4 prompts x group 4 per step, temperature 1, max new tokens as given, AdamW lr 1e-5 betas (0.9, 0.99) no weight decay, clip 1.0, constant lr, no KL
 term, one optimizer step per batch, PPO-clip loss (TRL loss_type=grpo, stalerl actor.loss=vanilla). Threads: 2 in
 all (TRL and stalerl sync: one process x 2; stalerl async d1+d1: two processes x 1).
 
@@ -34,8 +34,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-             intermediate_size=1536, max_position_embeddings=512)
+SHAPES = {
+    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                   intermediate_size=1536, max_position_embeddings=512),
+    # ~3.4M parameters: for a 35-step steady-state run on a shared 2-core machine
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=768, max_position_embeddings=512),
+}
+SHAPE = dict(SHAPES["medium"])
 PROMPTS, GROUP, LR, SEED = 4, 4, 1e-5, 1
 
 
@@ -120,23 +126,27 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="first steps excluded (start-up, pipeline filling)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", default="medium", choices=sorted(SHAPES), help="model size (medium: ~27M parameters)")
     ap.add_argument("--trl-python", default=sys.executable,
                     help="interpreter with trl installed for the TRL run (e.g. the venv of scripts/ci_trl.sh), so "
                          "stalerl's runs can use the project's own environment")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    SHAPE.clear()
+    SHAPE.update(SHAPES[args.shape])
     if args.child == "trl":
         print(json.dumps(run_trl(args.steps, args.new_tokens, args.threads)))
         return
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    print(f"{PROMPTS} prompts x group {GROUP}, {args.new_tokens} new tokens, {args.steps} steps (first {args.warmup} "
-          f"excluded), {args.threads} threads, stalerl engine {args.engine}", flush=True)
+    print(f"{args.shape} model, {PROMPTS} prompts x group {GROUP}, {args.new_tokens} new tokens, {args.steps} steps "
+          f"(first {args.warmup} excluded), {args.threads} threads, stalerl engine {args.engine}", flush=True)
     per_step: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as root:
         for system in args.systems.split(","):
             if system == "trl":
-                res = subprocess.run([args.trl_python, __file__, "--child", "trl", "--steps", str(args.steps),
+                res = subprocess.run([args.trl_python, __file__, "--child", "trl", "--shape", args.shape,
+                                      "--steps", str(args.steps),
                                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)],
                                      capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
                 if res.returncode != 0:
