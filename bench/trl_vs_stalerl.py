@@ -2,14 +2,14 @@
 tokens, optimizer and thread budget; ratios against TRL measured by this same script.
 
     python bench/trl_vs_stalerl.py [--systems trl,sync,async] [--engine hf|vllm] [--steps 35] [--warmup 5]
-                                   [--new-tokens 64] [--shape medium|small] [--trl-python PY]
+                                   [--new-tokens 64] [--shape medium|small|tiny] [--trl-python PY]
 
 Needs ``trl`` in the running environment or in ``--trl-python``'s (pip install "stalerl[trl]" in a venv of its
 own). With ``--engine vllm`` stalerl's runs use rollout.backend=vllm:d1 (run it from the vLLM venv, which then also
 needs trl).
 
 Setup (every system): the from-scratch Qwen2 of bench/vllm_throughput.py "medium" (hidden 512, 8 layers, ~27M
-parameters, random init with seed 1, char tokenizer; ``--shape small``: hidden 256, 4 layers, ~3.4M), synthetic
+parameters, random init with seed 1, char tokenizer; ``--shape small``: hidden 256, 4 layers, ~3.4M; ``tiny``: 0.54M), synthetic
 addition prompts, 4 prompts x group 4 per step, temperature 1, max new tokens as given, AdamW lr 1e-5 betas
 (0.9, 0.99) no weight decay, clip 1.0, constant lr, no KL term, one optimizer step per batch, PPO-clip loss (TRL
 loss_type=grpo, stalerl actor.loss=vanilla). Threads: 2 in all (TRL and stalerl sync: one process x 2; stalerl async
@@ -41,6 +41,9 @@ SHAPES = {
     # ~3.4M parameters: for a 35-step steady-state run on a shared 2-core machine
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=768, max_position_embeddings=512),
+    # the embedded default's size (0.54M parameters): per-step framework overhead dominates, as on a loaded machine
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=512, max_position_embeddings=512),
 }
 SHAPE = dict(SHAPES["medium"])
 PROMPTS, GROUP, LR, SEED = 4, 4, 1e-5, 1
