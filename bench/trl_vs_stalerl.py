@@ -9,9 +9,9 @@ own). With ``--engine vllm`` stalerl's runs use rollout.backend=vllm:d1 (run it 
 needs trl).
 
 Setup (every system): the from-scratch Qwen2 of bench/vllm_throughput.py "medium" (hidden 512, 8 layers, ~27M
-parameters, random init with seed 1, char tokenizer; ``--shape small``: hidden 256, 4 layers, ~3.4M; ``tiny``:
-0.54M), synthetic addition prompts, 4 prompts x group 4 per step, temperature 1, max new tokens as given, AdamW
-lr 1e-5 betas (0.9, 0.99) no weight decay, clip 1.0, constant lr, no KL term, one optimizer step per batch, PPO-clip loss (TRL
+parameters, random init with seed 1, char tokenizer; ``--shape small``: hidden 256, 4 layers, ~3.4M; ``tiny``: 0.54M),
+synthetic addition prompts, 4 prompts x group 4 per step, temperature 1, max new tokens as given, AdamW lr 1e-5 betas
+(0.9, 0.99) no weight decay, clip 1.0, constant lr, no KL term, one optimizer step per batch, PPO-clip loss (TRL
 loss_type=grpo, stalerl actor.loss=vanilla). Threads: 2 in all (TRL and stalerl sync: one process x 2; stalerl async
 d1+d1: two processes x 1).
 
