@@ -1,18 +1,19 @@
 """Step time of TRL's GRPOTrainer with stalerl's losses against TRL's own ``loss_type="grpo"``, same process.
 
-    python bench/trl_loss_overhead.py [--steps 6] [--repeats 3] [--new-tokens 32] [--threads 2]
+    python bench/trl_loss_overhead.py [--steps 6] [--repeats 3] [--new-tokens 32] [--threads 2] [--shape small|tiny]
 
 Needs ``trl`` (pip install "stalerl[trl]" in a venv of its own; scripts/ci_trl.sh builds one). Every run builds the
-same from-scratch Qwen2 (hidden 256, 4 layers, char tokenizer, seed 0) and trains ``--steps`` optimizer steps on the
-same prompts with recipe.trl.GRPOTrainer; only ``loss_type`` changes. The runs are interleaved (grpo, m2po, fipo,
-grpo, ...) so load drift on a shared machine hits all alike. Two settings:
+same from-scratch Qwen2 (small: hidden 256, 4 layers; tiny: hidden 128, 2 layers; char tokenizer, seed 0) and trains
+``--steps`` optimizer steps on the same prompts with recipe.trl.GRPOTrainer; only ``loss_type`` changes. The runs are
+interleaved (grpo, m2po, fipo, grpo, ...) so load drift on a shared machine hits all alike. Two settings:
 
 - ``on-policy``: TRL's default (num_iterations=1, one micro-batch per step): no behaviour log-probs.
 - ``reuse``: num_iterations=2, gradient_accumulation_steps=2 (steps_per_generation=2): the reuse pass is off-policy,
   M2PO's exact selection runs a no-grad forward over the step's other micro-batch.
 
-Printed: the median seconds per optimizer step (first step of each run excluded) and per ``_compute_loss`` call
-(the part the loss changes), and the ratios against grpo. Goal: at most 5% step-time overhead.
+Printed: the median CPU seconds per optimizer step (``time.process_time``, all threads: the figure that stays
+meaningful on a shared machine), the median wall seconds per step and per ``_compute_loss`` call (the part the loss
+changes), first step of each run excluded, and the ratios against grpo. Goal: at most 5% step-time overhead.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-             intermediate_size=768)
+SHAPES = {
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=768),
+    # the embedded default's size: the loss is the largest share of a step here, so the overhead is at its largest
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=512),
+}
 SETTINGS = {
     "on-policy": dict(num_iterations=1, per_device_train_batch_size=16, gradient_accumulation_steps=1),
     "reuse": dict(num_iterations=2, per_device_train_batch_size=8, gradient_accumulation_steps=2),
@@ -36,7 +42,8 @@ SETTINGS = {
 LOSSES = ("grpo", "m2po", "fipo")
 
 
-def run_once(loss_type: str, setting: str, steps: int, new_tokens: int) -> tuple[list[float], list[float]]:
+def run_once(loss_type: str, setting: str, steps: int, new_tokens: int, shape: str
+             ) -> tuple[list[float], list[float], list[float]]:
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -44,21 +51,23 @@ def run_once(loss_type: str, setting: str, steps: int, new_tokens: int) -> tuple
     from stalerl.model import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
-    model = build_tiny_model("qwen2", tok, seed=0, **SHAPE)
+    model = build_tiny_model("qwen2", tok, seed=0, **SHAPES[shape])
     data = Dataset.from_dict({"prompt": [f"Q: {i}+{3 * i + 7}=? A:" for i in range(64)]})
 
     def reward(prompts, completions, **_):
         return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
     step_s: list[float] = []
+    step_cpu: list[float] = []
     loss_s: list[float] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
+            self.t, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             step_s.append(time.perf_counter() - self.t)
+            step_cpu.append(time.process_time() - self.cpu)
 
     class Timed(GRPOTrainer):
         def _compute_loss(self, model, inputs):
@@ -74,7 +83,7 @@ def run_once(loss_type: str, setting: str, steps: int, new_tokens: int) -> tuple
                          dataloader_num_workers=0, **SETTINGS[setting])
         Timed(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
               callbacks=[Clock()]).train()
-    return step_s[1:], loss_s[2:]
+    return step_s[1:], step_cpu[1:], loss_s[2:]
 
 
 def main() -> None:
@@ -84,25 +93,29 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", default="on-policy,reuse")
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"TRL GRPOTrainer, tiny Qwen2 {SHAPE}, 4 prompts x 4 completions per step, {args.new_tokens} new tokens, "
-          f"{args.steps} steps x {args.repeats} repeats, {args.threads} threads", flush=True)
+    print(f"TRL GRPOTrainer, tiny Qwen2 {SHAPES[args.shape]}, 4 prompts x 4 completions per step, "
+          f"{args.new_tokens} new tokens, {args.steps} steps x {args.repeats} repeats, {args.threads} threads", flush=True)
     for setting in args.settings.split(","):
         steps = {loss: [] for loss in LOSSES}
+        cpu = {loss: [] for loss in LOSSES}
         losses = {loss: [] for loss in LOSSES}
         for _ in range(args.repeats):
             for loss in LOSSES:
-                s, l_ = run_once(loss, setting, args.steps, args.new_tokens)
+                s, c, l_ = run_once(loss, setting, args.steps, args.new_tokens, args.shape)
                 steps[loss] += s
+                cpu[loss] += c
                 losses[loss] += l_
-        base_step, base_loss = statistics.median(steps["grpo"]), statistics.median(losses["grpo"])
+        base = {name: statistics.median(d["grpo"]) for name, d in (("wall", steps), ("cpu", cpu), ("loss", losses))}
         for loss in LOSSES:
-            step, call = statistics.median(steps[loss]), statistics.median(losses[loss])
-            print(f"{setting:9s} {loss:5s} s/step {step:.3f} ({step / base_step:.3f}x grpo)   "
-                  f"s/_compute_loss {call:.4f} ({call / base_loss:.2f}x grpo)", flush=True)
+            wall, cpu_s, call = (statistics.median(d[loss]) for d in (steps, cpu, losses))
+            print(f"{setting:9s} {loss:5s} CPU s/step {cpu_s:.3f} ({cpu_s / base['cpu']:.3f}x grpo)   wall s/step "
+                  f"{wall:.3f} ({wall / base['wall']:.3f}x)   wall s/_compute_loss {call:.4f} "
+                  f"({call / base['loss']:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
