@@ -99,7 +99,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"TRL GRPOTrainer, tiny Qwen2 {SHAPES[args.shape]}, 4 prompts x 4 completions per step, "
-          f"{args.new_tokens} new tokens, {args.steps} steps x {args.repeats} repeats, {args.threads} threads", flush=True)
+          f"{args.new_tokens} new tokens, {args.steps} steps x {args.repeats} repeats, {args.threads} threads",
+          flush=True)
     for setting in args.settings.split(","):
         steps = {loss: [] for loss in LOSSES}
         cpu = {loss: [] for loss in LOSSES}
