@@ -21,8 +21,8 @@ def main() -> None:
     trainer = _train(Path(tempfile.mkdtemp()), _capturing_trainer(), loss_type="m2po", m2_threshold=SPLIT_TAU,
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, max_steps=2, **SGD)
     rank = int(os.environ["RANK"])
-    torch.save({"calls": trainer.calls, "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                "log": trainer.state.log_history, "num_processes": trainer.accelerator.num_processes},
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    torch.save({"calls": trainer.calls, "weights": state, "log": trainer.state.log_history, "num_processes": trainer.accelerator.num_processes},
                f"{out}_rank{rank}.pt")
 
 
