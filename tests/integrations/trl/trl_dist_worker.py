@@ -22,8 +22,8 @@ def main() -> None:
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, max_steps=2, **SGD)
     rank = int(os.environ["RANK"])
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    torch.save({"calls": trainer.calls, "weights": state, "log": trainer.state.log_history, "num_processes": trainer.accelerator.num_processes},
-               f"{out}_rank{rank}.pt")
+    torch.save({"calls": trainer.calls, "weights": state, "log": trainer.state.log_history,
+                "num_processes": trainer.accelerator.num_processes}, f"{out}_rank{rank}.pt")
 
 
 if __name__ == "__main__":
