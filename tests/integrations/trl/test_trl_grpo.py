@@ -39,6 +39,7 @@ def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, **ov
 
 def _capturing_trainer():
     """GRPOTrainer that records what every micro-batch's registry call received and returned."""
+    require_trl()
     from recipe.trl import GRPOTrainer
 
     class Capturing(GRPOTrainer):
