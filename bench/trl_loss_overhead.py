@@ -14,6 +14,7 @@ interleaved (grpo, m2po, fipo, grpo, ...) so load drift on a shared machine hits
 Printed: the median CPU seconds per optimizer step (``time.process_time``, all threads: the figure that stays
 meaningful on a shared machine), the median wall seconds per step and per ``_compute_loss`` call (the part the loss
 changes), first step of each run excluded, and the ratios against grpo. Goal: at most 5% step-time overhead.
+``--loss-only`` times just ``_compute_loss`` + backward on one reused batch (what the loss choice changes).
 """
 
 from __future__ import annotations
@@ -86,6 +87,46 @@ def run_once(loss_type: str, setting: str, steps: int, new_tokens: int, shape: s
     return step_s[1:], step_cpu[1:], loss_s[2:]
 
 
+def loss_only(repeats: int, calls: int) -> None:
+    """``_compute_loss`` + backward on one and the same reused (off-policy) batch, per loss, interleaved."""
+    import torch
+    from datasets import Dataset
+
+    from recipe.trl import GRPOConfig, GRPOTrainer
+    from stalerl.model import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    data = Dataset.from_dict({"prompt": [f"Q: {i}+{2 * i + 1}=? A:" for i in range(16)]})
+
+    def reward(prompts, completions, **_):
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    trainers = {}
+    for loss in LOSSES:  # one step each, so every trainer holds a batch with old_per_token_logps
+        model = build_tiny_model("qwen2", tok, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=4, intermediate_size=128, seed=0)
+        cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", bf16=False, seed=0,
+                         loss_type=loss, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                         num_iterations=2, max_steps=1, save_strategy="no", disable_tqdm=True, beta=0.0)
+        trainers[loss] = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
+                                     processing_class=tok)
+        trainers[loss].train()
+    batch = trainers["grpo"]._buffered_inputs[0]
+    times: dict[str, list[float]] = {loss: [] for loss in LOSSES}
+    for _ in range(repeats):
+        for loss, trainer in trainers.items():
+            trainer.model.train()
+            for _ in range(calls):
+                trainer._buffered_inputs, trainer._step, trainer._stalerl_plan = [batch], 0, None
+                t = time.perf_counter()
+                trainer._compute_loss(trainer.model, batch).backward()
+                times[loss].append(time.perf_counter() - t)
+    base = statistics.median(times["grpo"])
+    for loss in LOSSES:
+        med = statistics.median(times[loss])
+        print(f"loss-only {loss:5s} _compute_loss+backward {med * 1e3:.1f} ms ({med / base:.2f}x grpo)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -94,10 +135,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", default="on-policy,reuse")
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--loss-only", action="store_true",
+                    help="time only _compute_loss + backward on one reused batch (64-hidden test model, 8 rows x 8 "
+                         "new tokens), 5 x 20 calls per loss")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.loss_only:
+        loss_only(5, 20)
+        return
     print(f"TRL GRPOTrainer, tiny Qwen2 {SHAPES[args.shape]}, 4 prompts x 4 completions per step, "
           f"{args.new_tokens} new tokens, {args.steps} steps x {args.repeats} repeats, {args.threads} threads",
           flush=True)
