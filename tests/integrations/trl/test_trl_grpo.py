@@ -211,3 +211,19 @@ def test_trls_own_config_is_refused_for_stalerl_losses(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="recipe.trl.GRPOConfig"):
         GRPOTrainer(model=model, reward_funcs=digit_reward, processing_class=tok, train_dataset=prompts_dataset(),
                     args=trl.GRPOConfig(**base_args(tmp_path, loss_type="m2po")))
+
+
+def test_beta_adds_trls_kl_term_with_the_step_denominator(tmp_path: Path) -> None:
+    """beta > 0: TRL loads a reference copy (from the saved local model) and the KL term is logged, off 0."""
+    require_trl()
+    from recipe.trl import GRPOConfig, GRPOTrainer
+
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    args = GRPOConfig(**base_args(tmp_path, loss_type="m2po", beta=0.1, per_device_train_batch_size=4,
+                                  gradient_accumulation_steps=2))
+    trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=digit_reward, args=args,
+                          train_dataset=prompts_dataset(), processing_class=tok)
+    trainer.train()
+    kl = [row["kl"] for row in trainer.state.log_history if "kl" in row]
+    assert kl and kl[-1] > 0
