@@ -1,0 +1,190 @@
+"""``GRPOTrainer``: TRL's GRPOTrainer whose ``m2po`` / ``fipo`` losses are exact at the optimizer step.
+
+How TRL 1.16 feeds an optimizer step: ``_prepare_inputs`` generates once per ``steps_per_generation x
+num_iterations`` micro-steps, shuffles the rows and keeps ``steps_per_generation`` micro-batches in
+``self._buffered_inputs``; micro-step ``k`` trains on ``_buffered_inputs[k % steps_per_generation]``. With
+``steps_per_generation`` a multiple of ``gradient_accumulation_steps`` (checked by GRPOConfig), all micro-batches of
+a step are in that buffer when its first one is trained. So at a step's first micro-batch this trainer
+
+1. reads the step's micro-batches from the buffer, computes their current log-probs without grad (only for M2PO with
+   behaviour log-probs: on-policy the log-ratio is 0 and Algorithm 1 keeps everything),
+2. plans the step with :func:`recipe.optimizer_batch.plan_optimizer_batch`: M2PO's Algorithm 1 once over every
+   micro-batch (and every process), and the step's valid-token count (all processes),
+
+and every micro-batch's loss is then the registry's loss with that selection and that denominator: the micro-batch
+losses add up to the whole step's token-mean loss, whatever the split (TRL's GRPOTrainer sets
+``loss_is_scaled_for_ga``, so HF adds no division; DDP's gradient mean is undone by ``dp_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import trl
+
+from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
+from recipe.registry import get_batch_selector, get_policy_loss_fn
+from recipe.trl.config import GRPOConfig
+from recipe.trl.inputs import behaviour_log_probs, loss_mask
+from recipe.trl.losses import STALERL_LOSS_TYPES, loss_config
+
+#: Inputs TRL passes to its log-prob forward besides ids and masks (vision models); forwarded unchanged.
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                 "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's GRPOTrainer; ``args.loss_type`` ``"m2po"`` / ``"fipo"`` runs stalerl's loss, exact at the optimizer
+    step. ``args`` must be :class:`recipe.trl.GRPOConfig` for those two (TRL's own config lacks their keys)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if cfg is not None and cfg.loss_type in STALERL_LOSS_TYPES and not isinstance(cfg, GRPOConfig):
+            raise TypeError(f"loss_type={cfg.loss_type!r} needs recipe.trl.GRPOConfig (it carries m2_threshold and "
+                            f"the fipo_* keys), got {type(cfg).__module__}.{type(cfg).__name__}; build the config "
+                            "with `from recipe.trl import GRPOConfig`")
+        super().__init__(*args, **kwargs)
+        self._stalerl_plan: Optional[OptimizerBatchPlan] = None
+        self._stalerl_window: list[dict[str, Any]] = []  # the current optimizer step's micro-batches, in order
+        self._stalerl_window_start = 0  # value of self._step at the step's first micro-batch
+
+    # ------------------------------------------------------------------------------------------------ the loss
+
+    @property
+    def _uses_stalerl_loss(self) -> bool:
+        return self.loss_type in STALERL_LOSS_TYPES
+
+    def _log_probs(self, model: Any, inputs: dict[str, Any], *, compute_entropy: bool
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        extra = {key: inputs.get(key) for key in _FORWARD_KEYS}
+        return self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=compute_entropy,
+            compute_aux_loss=self.aux_loss_enabled and compute_entropy, **extra)
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        if not self._uses_stalerl_loss:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        per_token_logps, entropies, aux_loss = self._log_probs(model, inputs, compute_entropy=True)
+        mask = loss_mask(inputs)
+        behaviour = behaviour_log_probs(inputs, per_token_logps)
+        old = per_token_logps.detach() if behaviour is None else behaviour
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        advantages = advantages.expand_as(per_token_logps)
+
+        plan, index = self._plan_for(inputs, per_token_logps, mode)
+        config = plan.config_for(loss_config(self.args))
+        loss, metrics = self._policy_loss(old_log_prob=old, log_prob=per_token_logps, advantages=advantages,
+                                          response_mask=mask, config=config, extras=plan.extras[index])
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(per_token_logps - old)
+            # the same denominator as the policy term, so the KL term is exact at the step too
+            kl_sum = torch.where(mask.bool(), per_token_kl, torch.zeros_like(per_token_kl)).sum()
+            loss = loss + self.beta * kl_sum / max(plan.num_tokens, 1) * plan.dp_size
+            self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
+        if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL does
+            ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / ga
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        self._log_loss_metrics(mode, metrics, plan, index, entropies, mask)
+        return loss
+
+    def _policy_loss(self, *, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                     response_mask: torch.Tensor, config: dict[str, Any], extras: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The registry's loss on one micro-batch (one place, so a test can capture exactly what it received)."""
+        return get_policy_loss_fn(self.loss_type)(
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+            loss_agg_mode="token-mean", config=config, **extras)
+
+    # ------------------------------------------------------------------------------------- the optimizer step
+
+    def _plan_for(self, inputs: dict[str, Any], per_token_logps: torch.Tensor, mode: str
+                  ) -> tuple[OptimizerBatchPlan, int]:
+        """(the plan of the optimizer step this micro-batch belongs to, its index in the step)."""
+        if mode != "train":  # evaluation: one batch, no accumulation
+            return self._plan([inputs], per_token_logps), 0
+        index = self._step - self._stalerl_window_start
+        if self._stalerl_plan is None or index >= len(self._stalerl_window) or index < 0:
+            self._stalerl_window_start, index = self._step, 0
+            self._stalerl_window = self._step_micro_batches(inputs)
+            self._stalerl_plan = self._plan(self._stalerl_window, per_token_logps)
+        if self._stalerl_window[index] is not inputs:
+            raise RuntimeError("recipe.trl: micro-batch %d of the optimizer step is not the one planned from "
+                               "GRPOTrainer._buffered_inputs; the exact loss relies on TRL 1.16's buffering "
+                               "(_prepare_inputs)" % index)
+        return self._stalerl_plan, index
+
+    def _step_micro_batches(self, first: dict[str, Any]) -> list[dict[str, Any]]:
+        """The micro-batches of the optimizer step that starts with ``first``, from TRL's buffer."""
+        spg = self.args.steps_per_generation
+        n = self.current_gradient_accumulation_steps
+        generate_every = spg * self.num_iterations
+        if any((self._step + j) % generate_every == 0 for j in range(1, n)):
+            raise RuntimeError(f"recipe.trl: the optimizer step starting at micro-step {self._step} spans a new "
+                               f"generation (steps_per_generation={spg}, num_iterations={self.num_iterations}, "
+                               f"{n} accumulation steps): set steps_per_generation to a multiple of "
+                               "gradient_accumulation_steps")
+        window = [self._buffered_inputs[(self._step + j) % spg] for j in range(n)]
+        if window[0] is not first:
+            raise RuntimeError("recipe.trl: the micro-batch being trained is not GRPOTrainer._buffered_inputs"
+                               f"[{self._step % spg}]; the exact loss relies on TRL 1.16's buffering (_prepare_inputs)")
+        return window
+
+    def _plan(self, batches: list[dict[str, Any]], first_logps: torch.Tensor) -> OptimizerBatchPlan:
+        """Select and count over ``batches``; the first one's current log-probs are ``first_logps``."""
+        needs_selection = get_batch_selector(self.loss_type) is not None
+        micro = []
+        for j, batch in enumerate(batches):
+            mask = loss_mask(batch)
+            off_policy = "sampling_per_token_logps" in batch or "old_per_token_logps" in batch
+            if not needs_selection or not off_policy:
+                # no selection, or on-policy (log-ratio 0, Algorithm 1 keeps all): the count needs only the mask
+                current = behaviour = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            else:
+                if j == 0:
+                    current = first_logps.detach()
+                else:
+                    with torch.no_grad():  # the step's weights are those of its first micro-batch
+                        current = self._log_probs(self.model, batch, compute_entropy=False)[0]
+                behaviour = behaviour_log_probs(batch, current)
+            adv = batch["advantages"]
+            adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(mask.shape)
+            micro.append(MicroBatch(behaviour.detach().float(), current.float(), adv.float(), mask))
+        group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
+        return plan_optimizer_batch(self.loss_type, micro, loss_config(self.args), group=group)
+
+    # --------------------------------------------------------------------------------------------- metrics
+
+    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+        valid = mask.bool()
+        local = torch.stack([torch.where(valid, values.detach().float(), torch.zeros((), device=values.device)).sum(),
+                             valid.sum().float()])
+        total = self.accelerator.reduce(local, reduction="sum")
+        return (total[0] / total[1].clamp(min=1.0)).item()
+
+    def _log_loss_metrics(self, mode: str, metrics: dict[str, float], plan: OptimizerBatchPlan, index: int,
+                          entropies: Optional[torch.Tensor], mask: torch.Tensor) -> None:
+        """``m2po/*``: the whole step's selection, once per step (it already covers all processes). ``fipo/*``: per
+        micro-batch, averaged over processes; TRL's ``log()`` averages what was appended since the last log."""
+        store = self._metrics[mode]
+        if plan.selection is not None:
+            if index == 0:
+                for key, value in plan.selection.metrics().items():
+                    store[key].append(float(value))
+        else:
+            for key, value in metrics.items():
+                if self.accelerator.num_processes > 1:
+                    value = self.accelerator.gather(torch.tensor([float(value)], device=mask.device)).mean().item()
+                store[key].append(float(value))
+        if entropies is not None:
+            store["entropy"].append(self._global_masked_mean(entropies, mask))
