@@ -17,3 +17,12 @@ class UserError(Exception):
 class NotAvailableError(UserError, NotImplementedError):
     """A configured feature this version does not have (e.g. an engine): a user error that is also a
     NotImplementedError for callers that catch that."""
+
+
+def refuse_unknown_keys(where: str, given: "object", allowed: "set[str] | frozenset[str]",
+                        error: type = ValueError) -> None:
+    """Raise ``error`` naming the keys of mapping ``given`` that are not in ``allowed`` (and listing the allowed)."""
+    unknown = set(given) - set(allowed)  # type: ignore[call-overload]
+    if unknown:
+        raise error(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
+                    f"{', '.join(sorted(allowed))}")

@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from stalerl.core.errors import refuse_unknown_keys
 from stalerl.core.io import atomic_write_text
 from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
                                          machine_description, read_summary, setting_of, write_summary)
@@ -60,10 +61,7 @@ class StudyError(ValueError):
 def load_spec(path: os.PathLike) -> dict[str, Any]:
     p = Path(path)
     spec = yaml.safe_load(p.read_text()) or {}
-    unknown = set(spec) - SPEC_KEYS
-    if unknown:
-        raise StudyError(f"{p}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
-                         f"{', '.join(sorted(SPEC_KEYS))}")
+    refuse_unknown_keys(str(p), spec, SPEC_KEYS, StudyError)
     for key in ("name", "config", "losses", "settings", "seeds"):
         if not spec.get(key):
             raise StudyError(f"{p}: '{key}' is required (see stalerl/launch/study.py for the format)")

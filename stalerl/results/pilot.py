@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from stalerl.core.errors import refuse_unknown_keys
 from stalerl.results.report_metrics import CollapseRule, collapsed, eval_curve
 
 
@@ -84,10 +85,7 @@ def check_pilot(pilot: Any, where: str = "pilot") -> CollapseRule:
     """Validate a spec's ``pilot`` mapping; returns its collapse rule."""
     if not isinstance(pilot, Mapping):
         raise ValueError(f"{where}: expected a mapping with stale_loss, on_policy, prosper, collapse")
-    unknown = set(pilot) - PILOT_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
-                         f"{', '.join(sorted(PILOT_KEYS))}")
+    refuse_unknown_keys(where, pilot, PILOT_KEYS)
     prosper = pilot.get("prosper", 0.05)
     if isinstance(prosper, bool) or not isinstance(prosper, (int, float)) or not 0 <= prosper <= 1:
         raise ValueError(f"{where}.prosper={prosper!r}: expected an accuracy gain in [0, 1], e.g. 0.05")

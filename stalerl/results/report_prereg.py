@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from stalerl.core.errors import refuse_unknown_keys
 from stalerl.results.report_metrics import EVAL_METRICS, OUTCOME_STATUSES, CollapseRule, collapsed, run_metric
 from stalerl.results.report_stats import fisher_greater, format_estimate, holm_adjust, mean_interval, paired_test
 
@@ -99,10 +100,7 @@ def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
         w = f"{where}.list[{i}]"
         if not isinstance(c, Mapping):
             raise ClaimSpecError(f"{w}: expected a mapping with id, text, test, a, b")
-        bad = set(c) - CLAIM_KEYS
-        if bad:
-            raise ClaimSpecError(f"{w}: unknown key(s) {', '.join(sorted(bad))}; expected some of "
-                                 f"{', '.join(sorted(CLAIM_KEYS))}")
+        refuse_unknown_keys(w, c, CLAIM_KEYS, ClaimSpecError)
         for key in ("id", "text", "test", "a", "b"):
             if not c.get(key):
                 raise ClaimSpecError(f"{w}.{key} is required")
