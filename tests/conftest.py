@@ -127,6 +127,7 @@ def two_end_token_policy(tmp_path):
 _SEPARATE_ENVIRONMENTS = {
     "vllm": ("vllm", "bash scripts/setup_vllm.sh, then run pytest -m vllm there"),
     "areal": ("areal", "bash scripts/ci_areal.sh"),
+    "swift": ("swift", "bash scripts/ci_swift.sh"),
 }
 
 
