@@ -2,8 +2,9 @@
 
 A path that exists from the current directory is used as given. Otherwise a bare or relative name is looked up
 next to the entry script (``examples/math/`` for ``examples/math/gsm8k_rl.py``) and then among the example configs
-shipped with the source tree (``examples/*/``), also by file name alone, so ``--config gsm8k_m2po.yaml`` works from
-the repository root and ``--config examples/math/gsm8k_m2po.yaml`` works from inside ``examples/math``.
+shipped with the source tree (``examples/*/``, except the other frameworks' folders ``examples/areal`` and
+``examples/verl``), also by file name alone, so ``--config gsm8k_m2po.yaml`` works from the repository root and
+``--config examples/math/gsm8k_m2po.yaml`` works from inside ``examples/math``.
 Run directories stay relative to the current directory (``cluster.fileroot``), wherever the config came from.
 """
 
@@ -19,10 +20,15 @@ from stalerl.core.errors import UserError
 EXAMPLES_ROOT = Path(__file__).resolve().parents[2] / "examples"  # stalerl/launch/config_lookup.py -> the root
 
 
+# Example folders whose YAML files are other frameworks' configs (AReaL's format, verl's Hydra), never stalerl's: a
+# bare name such as gsm8k_m2po.yaml must not resolve to AReaL's file of the same name.
+OTHER_FRAMEWORK_EXAMPLES = ("areal", "verl")
+
+
 def example_config_dirs() -> list[Path]:
     if not EXAMPLES_ROOT.is_dir():
         return []
-    return sorted(p for p in EXAMPLES_ROOT.iterdir() if p.is_dir())
+    return sorted(p for p in EXAMPLES_ROOT.iterdir() if p.is_dir() and p.name not in OTHER_FRAMEWORK_EXAMPLES)
 
 
 def _script_dir(script: Optional[str]) -> Optional[Path]:
