@@ -242,10 +242,11 @@ def test_study_specs_expand_and_validate(tmp_path):
     bad.write_text("name: x\nconfig: c.yaml\nlosses: [m2po]\nsettings: {a: []}\nseeds: [1]\nseedz: [2]\n")
     with pytest.raises(StudyError, match="unknown key\\(s\\) seedz"):
         load_spec(bad)
-    spec = load_spec(REPO / "examples" / "math" / "study" / "behavior_logp.yaml")
+    spec = load_spec(REPO / "examples" / "math" / "study" / "chain_pilot.yaml")
     from stalerl.launch.study import _method_labels
 
-    assert _method_labels(spec)[:2] == ["loss=m2po, behavior_logp=rollout", "loss=m2po, behavior_logp=recompute"]
+    assert _method_labels(spec)[:2] == ["loss=vanilla, lr=0.0001, gradient_clipping=1.0",
+                                        "loss=vanilla, lr=5e-05, gradient_clipping=1.0"]
 
 
 # ------------------------------------------------------------------------------------------------ reward logging
