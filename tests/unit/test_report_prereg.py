@@ -321,14 +321,14 @@ def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
 
 
 def test_committed_schema_1_summaries_load_into_the_new_report():
-    """The committed (schema 1) staleness summaries have no diagnostics, eval_every or 1,024-problem evals; the
+    """The first (schema 1) staleness summaries, kept as a fixture, have no diagnostics, eval_every or 1,024-problem evals; the
     pre-registered claims of the current spec still render from them (diagnostics shown as '-')."""
     import yaml
 
     from conftest import REPO
     from stalerl.results.report import load_summaries
 
-    results = REPO / "docs" / "algorithms" / "results" / "staleness"
+    results = REPO / "tests" / "unit" / "data" / "staleness_schema1"
     summaries = load_summaries([results])
     assert summaries and all(s["schema"] == 1 and "diagnostics" not in s for s in summaries)
     spec = yaml.safe_load((REPO / "examples" / "math" / "study" / "staleness.yaml").read_text())
