@@ -46,6 +46,7 @@ import yaml
 
 from stalerl.core.errors import refuse_unknown_keys
 from stalerl.core.io import atomic_write_text
+from stalerl.results.report import STUDY_FILE, SUPERSEDED_DIR, is_summary
 from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
                                          machine_description, read_summary, setting_of, write_summary)
 
@@ -304,9 +305,15 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
                                 [c for _, c in todo])
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
 
-    # 3. Collect the summaries (a run that died without one gets a failed summary from its config).
+    # 3. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
+    #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec.
     results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
+    moved = set_aside_other_summaries(results, {r["trial"] for r in runs})
+    if moved:
+        print(f"study {spec['name']}: {len(moved)} summaries in {results} are of runs this spec does not list "
+              f"({', '.join(p.stem for p in moved[:5])}{', ...' if len(moved) > 5 else ''}); moved to "
+              f"{moved[0].parent} so the report shows only this spec's runs")
     statuses: dict[str, Optional[str]] = {}
     for r, cfg in zip(runs, configs):
         path = run_dir(cfg) / SUMMARY_FILE
@@ -318,7 +325,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         write_summary(results / f"{r['trial']}.json", summary)
         statuses[r["trial"]] = summary.get("status")
     wall = time.time() - start
-    previous = results / "study.json"
+    previous = results / STUDY_FILE
     if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
         try:
             wall += float(json.loads(previous.read_text()).get("wall_s") or 0.0)
@@ -338,7 +345,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
             meta[key] = spec[key]
     if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
         meta["grid"] = _grid(spec)
-    atomic_write_text(results / "study.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(results / STUDY_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
         from stalerl.results.report import main as report_main
@@ -348,6 +355,32 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
             return code
     # A diverged run exits with an error but is a result (its summary says so), not a failed study.
     return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
+
+
+def set_aside_other_summaries(results: Path, trials: set[str]) -> list[Path]:
+    """Move the run summaries directly in ``results`` whose trial is not in ``trials`` to
+    ``results/superseded/<UTC time>/`` (never deleted: they may be the only copy); returns their new paths. Other
+    files (study.json, figures, anything that is not a summary) stay where they are."""
+    def _summary(f: Path) -> bool:
+        try:
+            return is_summary(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            return False
+
+    others = sorted(f for f in results.glob("*.json") if f.name != STUDY_FILE and f.stem not in trials and _summary(f))
+    if not others:
+        return []
+    dest = results / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1, 1000):  # two studies set aside in the same second: never overwrite the first
+        if not dest.exists():
+            break
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest.mkdir(parents=True)
+    moved = []
+    for f in others:
+        os.replace(f, dest / f.name)  # same file system: atomic, nothing half-copied
+        moved.append(dest / f.name)
+    return moved
 
 
 def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) -> str:

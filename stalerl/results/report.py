@@ -42,12 +42,16 @@ INTERVAL_NOTE = ("mean over seeds ± half-width of the two-sided 95% Student-t i
 FIGURE_METRICS = ("eval/accuracy", "reward/consumed", "actor/grad_norm")
 
 
+# Where `stalerl-study run` sets aside summaries of runs its spec no longer lists; a report never reads them.
+SUPERSEDED_DIR = "superseded"
+
+
 class ReportError(ValueError):
     """A user-facing problem with the report's inputs."""
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _is_summary(d: Any) -> bool:
+def is_summary(d: Any) -> bool:
     return isinstance(d, dict) and "schema" in d and "run" in d and "status" in d
 
 
@@ -57,13 +61,14 @@ def load_summaries(paths: Iterable[os.PathLike]) -> list[dict[str, Any]]:
     for p in map(Path, paths):
         if not p.exists():
             raise ReportError(f"{p}: no such file or directory")
-        files = [p] if p.is_file() else sorted(q for q in p.rglob("*.json") if q.name != STUDY_FILE)
+        files = [p] if p.is_file() else sorted(q for q in p.rglob("*.json")
+                                                if q.name != STUDY_FILE and SUPERSEDED_DIR not in q.relative_to(p).parts)
         for f in files:
             try:
                 d = json.loads(f.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if _is_summary(d):
+            if is_summary(d):
                 found[(d.get("experiment", ""), d["run"])] = d
     return [found[k] for k in sorted(found)]
 

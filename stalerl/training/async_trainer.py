@@ -41,6 +41,10 @@ from stalerl.training.workers.rollout_worker import from_wire, to_wire
 from stalerl.training.workers.train_worker import broadcast_parameters, init_group
 
 FAILURE_GRACE_S = 10.0
+# Test hook: with STALERL_TEST_SLOW_TRAINER=1 the trainer takes a batch only once the rollouts have filled the whole
+# staleness window (nothing running, nothing more admissible), as a trainer far slower than its rollouts would. The
+# staleness of every step is then fixed by the bound alone, not by how the OS schedules the processes.
+SLOW_TRAINER_ENV = "STALERL_TEST_SLOW_TRAINER"
 
 
 def free_port() -> int:
@@ -81,6 +85,7 @@ class AsyncTrainer(Trainer):
         self.sent_version: dict[str, int] = {}
         self.loaded_version: dict[str, int] = {}
         self.weight_files: dict[int, Any] = {}
+        self.slow_trainer = os.environ.get(SLOW_TRAINER_ENV, "") not in ("", "0")
 
     def _rollout_in_workers(self) -> bool:
         return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
@@ -197,6 +202,13 @@ class AsyncTrainer(Trainer):
                 os._exit(failure_exit_code(failure))
 
         threading.Thread(target=watchdog, daemon=True).start()
+
+    def _window_filled(self) -> bool:
+        """Always true, except under the SLOW_TRAINER_ENV test hook: then true once no task runs and no more may be
+        admitted at this version (or the run needs no more prompts)."""
+        if not self.slow_trainer:
+            return True
+        return not self.manager.running and (self.manager.capacity() == 0 or self._data_exhausted())
 
     def _data_exhausted(self) -> bool:
         return self.manager.admitted_total >= self.total_steps * self.manager.batch_size
@@ -376,7 +388,7 @@ class AsyncTrainer(Trainer):
                 if self.dispatcher is not None and not self.dispatcher.is_alive():
                     raise RuntimeError("the dispatcher thread stopped; see the traceback above")
                 tasks = self.manager.ready_batch()
-                if tasks is not None:
+                if tasks is not None and self._window_filled():
                     self.manager.consume(tasks)
                     break
                 self.cond.wait(0.05)

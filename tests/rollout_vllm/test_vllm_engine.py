@@ -185,8 +185,8 @@ def _cmd(tmp_path, trial, **extra):
     return [sys.executable, str(SCRIPT), "--config", str(CPU_CONFIG), *over]
 
 
-def _run(cmd, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="WARNING")
+def _run(cmd, timeout=600, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="WARNING", **(env_extra or {}))
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -216,16 +216,19 @@ def test_eta_zero_async_equals_the_synchronous_vllm_loop(tmp_path):
 def test_async_d1_d1_keeps_the_bound_and_stamps_versions(tmp_path, scheduler):
     if scheduler == "ray":
         pytest.importorskip("ray")
+    # The test hook makes the trainer wait until the rollouts have filled the staleness window, so the staleness of
+    # each step is fixed by the bound (step 1: version 0 data at version 0, then always one version back) and the
+    # version stamps of vLLM's samples are checked exactly, whatever the machine's load.
     res = _run(_cmd(tmp_path, "eta1", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 6,
-                                         "scheduler.type": scheduler, "evaluator.freq_steps": "null"}))
+                                         "scheduler.type": scheduler, "evaluator.freq_steps": "null"}),
+               env_extra={"STALERL_TEST_SLOW_TRAINER": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(tmp_path, "eta1")[1:]
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert all(r["staleness/max"] <= 1 for r in rows)
     for r in rows:
-        assert sum(r["staleness/hist"]) == 8 * 4  # every consumed sample counted once
-    # samples from version v trained at step t have staleness t-1-v in [0, 1]; some were generated one version back
-    assert max(r["staleness/max"] for r in rows) == 1
+        lag = min(r["step"] - 1, 1)
+        assert r["staleness/max"] == lag, r
+        assert r["staleness/hist"] == [0] * lag + [8 * 4], r  # every consumed sample counted once, all at the lag
 
 
 def test_sync_vllm_engine_that_fails_to_start_fails_the_run_with_vllms_message(tmp_path):

@@ -304,6 +304,39 @@ def test_study_runner_on_a_tiny_grid(tmp_path):
     cached_rows = read_metrics(run_dir(cfg).parent.parent / "study-tiny" / "m2po-fixed_staleness_2-seed1")
     pick = lambda rows: [[r.get(k) for k in keys] for r in rows]  # noqa: E731
     assert pick(read_metrics(run_dir(cfg))) == pick(cached_rows)
+    # The spec is cut to one loss and run again (nothing to train): vanilla's summaries are set aside, not shown.
+    spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "losses": ["m2po"]}))
+    assert run_study(load_spec(spec_file), spec_path=str(spec_file)) == 0
+    res_dir = tmp_path / "docs" / "results" / "tiny"
+    assert sorted(p.name for p in res_dir.glob("*.json")) == [
+        "m2po-fixed_staleness_2-seed1.json", "m2po-fixed_staleness_2-seed2.json", "study.json"]
+    assert sorted(p.name for p in res_dir.glob("superseded/*/*.json")) == [
+        "vanilla-fixed_staleness_2-seed1.json", "vanilla-fixed_staleness_2-seed2.json"]
+    doc = (tmp_path / "docs" / "m2po.md").read_text()
+    assert "| fixed_staleness 2 | m2po | 2/2 |" in doc and "| vanilla |" not in doc
+
+
+def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
+    from stalerl.launch.study import set_aside_other_summaries
+
+    res = tmp_path / "results"
+    res.mkdir()
+    for name in ("keep-seed1", "old-seed1", "old-seed2"):
+        (res / f"{name}.json").write_text(json.dumps(_fake("m2po", "s", 1, 0.5, 0.5) | {"run": name}))
+    (res / "study.json").write_text("{}")
+    (res / "notes.json").write_text(json.dumps({"not": "a summary"}))
+    (res / "broken.json").write_text("{")
+    moved = set_aside_other_summaries(res, {"keep-seed1"})
+    assert sorted(p.name for p in moved) == ["old-seed1.json", "old-seed2.json"]
+    assert all(p.is_file() and p.parent.parent == res / "superseded" for p in moved)
+    assert sorted(p.name for p in res.glob("*.json")) == ["broken.json", "keep-seed1.json", "notes.json", "study.json"]
+    assert [d["run"] for d in load_summaries([res])] == ["keep-seed1"]  # the report never reads superseded/
+    # A second cut in the same second gets its own folder: the first one's files are not overwritten.
+    (res / "old-seed1.json").write_text(json.dumps(_fake("m2po", "s", 1, 0.1, 0.1) | {"run": "old-seed1"}))
+    again = set_aside_other_summaries(res, {"keep-seed1"})
+    assert len(again) == 1 and again[0].parent != moved[0].parent
+    assert json.loads(moved[0].read_text())["eval"]["final"] == 0.5
+    assert set_aside_other_summaries(res, {"keep-seed1"}) == []
 
 
 # ------------------------------------------------------------------------------------------------ claims
