@@ -40,6 +40,21 @@ def small_overrides(tmp_path: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+# The async trainer's test hook: it takes a batch only once the rollouts have filled the staleness window, so the
+# staleness of every step is set by the bound alone (stalerl.training.async_trainer.SLOW_TRAINER_ENV).
+SLOW_TRAINER_ENV = {"STALERL_TEST_SLOW_TRAINER": "1"}
+
+
+def assert_full_window_staleness(rows: list[dict], eta: int, steps: int, samples_per_step: int = 8 * 4) -> None:
+    """Metrics rows of a run under SLOW_TRAINER_ENV: step t trains on data exactly min(t - 1, eta) versions old (all
+    of step t's samples, each counted once, at that lag)."""
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        lag = min(r["step"] - 1, eta)
+        assert r["staleness/max"] == lag, r
+        assert r["staleness/hist"] == [0] * lag + [samples_per_step], r
+
+
 def _sigkill_after_checkpoint(cmd: list[str], run_dir: Path, step: int, timeout: float = 300.0) -> int:
     """Start ``cmd``, SIGKILL it as soon as the checkpoint of ``step`` exists under ``run_dir``; returns its code."""
     import signal

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import CPU_CONFIG, REPO, end_token_state, save_two_end_token_model, small_overrides
+from conftest import (CPU_CONFIG, REPO, SLOW_TRAINER_ENV, assert_full_window_staleness, end_token_state,
+                      save_two_end_token_model, small_overrides)
 from stalerl.results.metrics_log import read_metrics
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -221,14 +222,9 @@ def test_async_d1_d1_keeps_the_bound_and_stamps_versions(tmp_path, scheduler):
     # version stamps of vLLM's samples are checked exactly, whatever the machine's load.
     res = _run(_cmd(tmp_path, "eta1", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 6,
                                          "scheduler.type": scheduler, "evaluator.freq_steps": "null"}),
-               env_extra={"STALERL_TEST_SLOW_TRAINER": "1"})
+               env_extra=SLOW_TRAINER_ENV)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = _rows(tmp_path, "eta1")[1:]
-    assert [r["step"] for r in rows] == list(range(1, 7))
-    for r in rows:
-        lag = min(r["step"] - 1, 1)
-        assert r["staleness/max"] == lag, r
-        assert r["staleness/hist"] == [0] * lag + [8 * 4], r  # every consumed sample counted once, all at the lag
+    assert_full_window_staleness(_rows(tmp_path, "eta1")[1:], eta=1, steps=6)
 
 
 def test_sync_vllm_engine_that_fails_to_start_fails_the_run_with_vllms_message(tmp_path):
