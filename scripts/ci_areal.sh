@@ -11,16 +11,13 @@
 # and none was skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-ci-areal}
-TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
+. scripts/ci_lib.sh
 AREAL_VERSION=1.0.4
 start=$(date +%s)
 
-python3 -m venv "$VENV"
-PY="$VENV/bin/python"
+ci_venv "${1:-.venv-ci-areal}"
 pin="$VENV/torch-constraint.txt"
-echo "torch==${TORCH_VERSION}" > "$pin"
-"$PY" -m pip install -q "torch==${TORCH_VERSION}"
+ci_torch_pin "$pin"
 "$PY" -m pip install -q --no-deps "areal==${AREAL_VERSION}"
 # AReaL's own version pins (its Requires-Dist without extras and without torch*), as constraints for what follows.
 "$PY" - > "$VENV/areal-pins.txt" <<'PY'
@@ -37,26 +34,15 @@ PY
 "$PY" -m pip install -q -c "$pin" -c "$VENV/areal-pins.txt" \
   aiohttp httpx colorlog tenacity flask torchdata numpy lark uvloop pyyaml hydra-core omegaconf transformers peft \
   ray numba pillow orjson einops aiofiles openai datasets swanlab trackio wandb tensorboardX tabulate pybase64 pytest
-"$PY" -m pip freeze --exclude-editable | sort > "$VENV/freeze-before.txt"
+ci_freeze "$VENV/freeze-before.txt"
 
 # This project beside AReaL, with its core dependencies: every one must already be satisfied by AReaL's environment.
 "$PY" -m pip install -q -e . -c "$pin"
-"$PY" -m pip freeze --exclude-editable | sort > "$VENV/freeze-after.txt"
-if ! diff -u "$VENV/freeze-before.txt" "$VENV/freeze-after.txt"; then
-  echo "installing stalerl changed AReaL's environment (diff above): failing" >&2
-  exit 1
-fi
-echo "installing stalerl left AReaL's environment as it was ($(wc -l < "$VENV/freeze-after.txt") packages)"
+ci_freeze "$VENV/freeze-after.txt"
+ci_require_unchanged "$VENV/freeze-before.txt" "$VENV/freeze-after.txt" "AReaL ${AREAL_VERSION}"
 setup_s=$(( $(date +%s) - start ))
 
-set +e
-STALERL_REQUIRE_AREAL=1 "$PY" -m pytest -q -ra -m areal tests/integrations/areal \
-  -p no:cacheprovider --junitxml="$VENV/areal-tests.xml"
-rc=$?
-set -e
-if [ "$rc" -eq 0 ]; then
-  "$PY" scripts/junit_check.py "$VENV/areal-tests.xml" AReaL
-  rc=$?
-fi
+rc=0
+ci_marked_tests AReaL areal STALERL_REQUIRE_AREAL || rc=$?
 echo "AReaL environment: ${setup_s}s; total $(( $(date +%s) - start ))s (exit $rc)"
 exit "$rc"

@@ -10,40 +10,24 @@
 # exit 0 only if the junit report shows tests that ran, none failed or skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-ci-swift}
-TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
+. scripts/ci_lib.sh
 SWIFT_VERSION=${STALERL_SWIFT_VERSION:-4.6.0}
 start=$(date +%s)
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
+ci_venv "${1:-.venv-ci-swift}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "torch==${TORCH_VERSION}" > "$work/pin.txt"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "torch==${TORCH_VERSION}"
+ci_torch_pin "$work/pin.txt"
 # msgspec: imported by ms-swift's GRPO trainer module but not among ms-swift's requirements
 "$PY" -m pip install -q "ms-swift==${SWIFT_VERSION}" msgspec -c "$work/pin.txt"
-"$PY" -m pip freeze --exclude-editable | sort > "$work/before.txt"
+ci_freeze "$work/before.txt"
 "$PY" -m pip install -q -e ".[swift]" pytest -c "$work/pin.txt"
-"$PY" -m pip freeze --exclude-editable | sort > "$work/after.txt"
-changed=$(comm -23 "$work/before.txt" "$work/after.txt")
-if [ -n "$changed" ]; then
-  echo "installing stalerl[swift] changed packages ms-swift installed (must leave them as they were):" >&2
-  echo "$changed" >&2
-  exit 1
-fi
+ci_freeze "$work/after.txt"
+ci_require_unchanged "$work/before.txt" "$work/after.txt" "ms-swift ${SWIFT_VERSION}" additions-ok
 "$PY" -m pip check
 echo "ms-swift environment ready in ${VENV} after $(( $(date +%s) - start ))s"
 
-set +e
-STALERL_REQUIRE_SWIFT=1 OMP_NUM_THREADS=1 "$PY" -m pytest -q -ra --durations=10 -p no:cacheprovider -m swift \
-  tests/integrations/swift --junitxml="$VENV/swift-tests.xml"
-rc=$?
-set -e
-if [ "$rc" -eq 0 ]; then
-  "$PY" scripts/junit_check.py "$VENV/swift-tests.xml" ms-swift
-  rc=$?
-fi
+rc=0
+OMP_NUM_THREADS=1 ci_marked_tests ms-swift swift STALERL_REQUIRE_SWIFT --durations=10 || rc=$?
 echo "scripts/ci_swift.sh: exit ${rc} after $(( $(date +%s) - start ))s"
 exit "$rc"

@@ -13,19 +13,15 @@
 # was. Exits non-zero unless tests ran and none failed or was skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-ci-trinity}
-TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
+. scripts/ci_lib.sh
 TRINITY_VERSION=0.6.0
 VERL_VERSION=0.8.0
 start=$(date +%s)
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
+ci_venv "${1:-.venv-ci-trinity}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "torch==${TORCH_VERSION}" > "$work/torch-pin.txt"
-
-"$PY" -m pip install -q "torch==${TORCH_VERSION}"
+ci_torch_pin "$work/torch-pin.txt"
 "$PY" -m pip install -q --no-deps "trinity-rft==${TRINITY_VERSION}" "verl==${VERL_VERSION}"
 # trinity.utils.log imports ray; trinity.trainer imports pandas; verl's engine imports transformers, peft, datasets,
 # codetiming, tensorboard; verl's torch unpadding uses einops; verl 0.8.0 wants tensordict<=0.10. numpy>=2: the
@@ -35,24 +31,13 @@ echo "torch==${TORCH_VERSION}" > "$work/torch-pin.txt"
     "tensordict>=0.8,<=0.10.0,!=0.9.0" pandas tensorboard "transformers>=5.12.1" peft datasets codetiming einops \
     pytest
 
-"$PY" -m pip freeze --exclude-editable | sort > "$work/before.txt"
+ci_freeze "$work/before.txt"
 "$PY" -m pip install -q -e . -c "$work/before.txt"
-"$PY" -m pip freeze --exclude-editable | sort > "$work/after.txt"
-if ! diff -u "$work/before.txt" "$work/after.txt"; then
-  echo "installing stalerl changed packages of the Trinity environment (diff above): failing CI" >&2
-  exit 1
-fi
-echo "stalerl installed beside trinity-rft ${TRINITY_VERSION} / verl ${VERL_VERSION}: no installed package changed"
+ci_freeze "$work/after.txt"
+ci_require_unchanged "$work/before.txt" "$work/after.txt" "trinity-rft ${TRINITY_VERSION} / verl ${VERL_VERSION}"
 echo "environment ready: $(( $(date +%s) - start ))s"
 
-set +e
-STALERL_REQUIRE_TRINITY=1 "$PY" -m pytest -q -ra --durations=10 -p no:cacheprovider -m trinity tests/integrations/trinity \
-    --junitxml="$VENV/trinity-tests.xml"
-rc=$?
-set -e
-if [ "$rc" -eq 0 ]; then
-  "$PY" scripts/junit_check.py "$VENV/trinity-tests.xml" Trinity-RFT
-  rc=$?
-fi
+rc=0
+ci_marked_tests Trinity-RFT trinity STALERL_REQUIRE_TRINITY --durations=10 || rc=$?
 echo "Trinity-RFT environment + tests: $(( $(date +%s) - start ))s (exit $rc)"
 exit "$rc"

@@ -6,48 +6,24 @@
 #   bash scripts/ci_trl.sh [VENV]          # default VENV: .venv-ci-trl
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv-ci-trl}
-TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
+. scripts/ci_lib.sh
 TRL_VERSION=${STALERL_TRL_VERSION:-1.16.0}
 start=$(date +%s)
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-pin=$(mktemp)
-before=$(mktemp)
-trap 'rm -f "$pin" "$before"' EXIT
-echo "torch==${TORCH_VERSION}" > "$pin"
-"$PY" -m pip install -q "torch==${TORCH_VERSION}"          # CPU torch first: nothing below may pull a CUDA build
-"$PY" -m pip install -q "trl==${TRL_VERSION}" -c "$pin"
-"$PY" -m pip freeze --exclude-editable > "$before"
+ci_venv "${1:-.venv-ci-trl}"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+ci_torch_pin "$work/pin.txt"
+"$PY" -m pip install -q "trl==${TRL_VERSION}" -c "$work/pin.txt"
+ci_freeze "$work/before.txt"
 # The adapter needs only torch + recipe + trl; the project's own requirements (omegaconf, tqdm, ...) are added
-# with torch pinned, and nothing TRL installed may change version (checked below), so TRL's pins stay as they were.
-"$PY" -m pip install -q -e ".[trl]" pytest -c "$pin"
-"$PY" - "$before" <<'PY'
-import subprocess, sys
-def versions(lines):
-    return dict(line.split("==", 1) for line in lines if "==" in line)
-before = versions(open(sys.argv[1]).read().split())
-after = versions(subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True,
-                                capture_output=True, text=True).stdout.split())
-changed = {k: (v, after.get(k)) for k, v in before.items() if after.get(k) != v}
-if changed:
-    sys.exit(f"installing stalerl next to TRL changed TRL's environment: {changed}")
-print(f"TRL environment unchanged by the project install ({len(before)} packages; trl {before.get('trl')}, "
-      f"transformers {before.get('transformers')}, torch {before.get('torch')})")
-PY
+# with torch pinned, and nothing TRL installed may change version, so TRL's pins stay as they were.
+"$PY" -m pip install -q -e ".[trl]" pytest -c "$work/pin.txt"
+ci_freeze "$work/after.txt"
+ci_require_unchanged "$work/before.txt" "$work/after.txt" "TRL ${TRL_VERSION}" additions-ok
 "$PY" -m pip check
 
-report="$VENV/trl-tests.xml"
-set +e
-STALERL_REQUIRE_TRL=1 "$PY" -m pytest -q -ra -p no:cacheprovider -W ignore::FutureWarning -m trl \
-  tests/integrations/trl --junitxml="$report"
-rc=$?
-set -e
-if [ "$rc" -eq 0 ]; then
-  "$PY" scripts/junit_check.py "$report" TRL
-  rc=$?
-fi
+rc=0
+ci_marked_tests TRL trl STALERL_REQUIRE_TRL -W ignore::FutureWarning || rc=$?
 echo "TRL environment + tests: $(( $(date +%s) - start ))s (exit $rc)"
 exit "$rc"
