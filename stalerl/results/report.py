@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -42,8 +43,15 @@ INTERVAL_NOTE = ("mean over seeds ± half-width of the two-sided 95% Student-t i
 FIGURE_METRICS = ("eval/accuracy", "reward/consumed", "actor/grad_norm")
 
 
-# Where `stalerl-study run` sets aside summaries of runs its spec no longer lists; a report never reads them.
+# Where `stalerl-study run` sets aside summaries of runs its spec no longer lists (<results>/superseded/<UTC time>/);
+# a report never reads them. A run directory that happens to be called "superseded" is still read.
 SUPERSEDED_DIR = "superseded"
+_SET_ASIDE_STAMP = re.compile(r"\d{8}-\d{6}(\.\d+)?")
+
+
+def _set_aside(rel: Path) -> bool:
+    parts = rel.parts
+    return any(a == SUPERSEDED_DIR and _SET_ASIDE_STAMP.fullmatch(b) for a, b in zip(parts, parts[1:-1]))
 
 
 class ReportError(ValueError):
@@ -62,7 +70,7 @@ def load_summaries(paths: Iterable[os.PathLike]) -> list[dict[str, Any]]:
         if not p.exists():
             raise ReportError(f"{p}: no such file or directory")
         files = [p] if p.is_file() else sorted(q for q in p.rglob("*.json")
-                                                if q.name != STUDY_FILE and SUPERSEDED_DIR not in q.relative_to(p).parts)
+                                                if q.name != STUDY_FILE and not _set_aside(q.relative_to(p)))
         for f in files:
             try:
                 d = json.loads(f.read_text())

@@ -331,6 +331,11 @@ def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp
     assert all(p.is_file() and p.parent.parent == res / "superseded" for p in moved)
     assert sorted(p.name for p in res.glob("*.json")) == ["broken.json", "keep-seed1.json", "notes.json", "study.json"]
     assert [d["run"] for d in load_summaries([res])] == ["keep-seed1"]  # the report never reads superseded/
+    assert [d["run"] for d in load_summaries([tmp_path])] == ["keep-seed1"]  # nor from a directory above
+    # A run directory that is merely called "superseded" is a run like any other.
+    (tmp_path / "runs" / "superseded").mkdir(parents=True)
+    (tmp_path / "runs" / "superseded" / "summary.json").write_text(json.dumps(_fake("m2po", "s", 1, 0.5, 0.5)))
+    assert len(load_summaries([tmp_path / "runs"])) == 1
     # A second cut in the same second gets its own folder: the first one's files are not overwritten.
     (res / "old-seed1.json").write_text(json.dumps(_fake("m2po", "s", 1, 0.1, 0.1) | {"run": "old-seed1"}))
     again = set_aside_other_summaries(res, {"keep-seed1"})
