@@ -46,7 +46,7 @@ import yaml
 
 from stalerl.core.errors import refuse_unknown_keys
 from stalerl.core.io import atomic_write_text
-from stalerl.results.report import STUDY_FILE, SUPERSEDED_DIR, is_summary
+from stalerl.results.report import STUDY_FILE, make_set_aside_dir, read_summary_file
 from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
                                          machine_description, read_summary, setting_of, write_summary)
 
@@ -361,21 +361,11 @@ def set_aside_other_summaries(results: Path, trials: set[str]) -> list[Path]:
     """Move the run summaries directly in ``results`` whose trial is not in ``trials`` to
     ``results/superseded/<UTC time>/`` (never deleted: they may be the only copy); returns their new paths. Other
     files (study.json, figures, anything that is not a summary) stay where they are."""
-    def _summary(f: Path) -> bool:
-        try:
-            return is_summary(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            return False
-
-    others = sorted(f for f in results.glob("*.json") if f.name != STUDY_FILE and f.stem not in trials and _summary(f))
+    others = sorted(f for f in results.glob("*.json")
+                    if f.name != STUDY_FILE and f.stem not in trials and read_summary_file(f) is not None)
     if not others:
         return []
-    dest = results / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    for n in range(1, 1000):  # two studies set aside in the same second: never overwrite the first
-        if not dest.exists():
-            break
-        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
-    dest.mkdir(parents=True)
+    dest = make_set_aside_dir(results)
     moved = []
     for f in others:
         os.replace(f, dest / f.name)  # same file system: atomic, nothing half-copied

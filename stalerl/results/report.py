@@ -29,6 +29,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -44,9 +45,24 @@ FIGURE_METRICS = ("eval/accuracy", "reward/consumed", "actor/grad_norm")
 
 
 # Where `stalerl-study run` sets aside summaries of runs its spec no longer lists (<results>/superseded/<UTC time>/);
-# a report never reads them. A run directory that happens to be called "superseded" is still read.
+# a report never reads them. A run directory that happens to be called "superseded" is still read. The folder's name
+# is made and recognised here only, so the two cannot drift apart.
 SUPERSEDED_DIR = "superseded"
+_SET_ASIDE_TIME = "%Y%m%d-%H%M%S"
 _SET_ASIDE_STAMP = re.compile(r"\d{8}-\d{6}(\.\d+)?")
+
+
+def make_set_aside_dir(results: Path) -> Path:
+    """Create and return a new, empty ``results/superseded/<UTC time>[.n]/`` (never one that already exists)."""
+    base = time.strftime(_SET_ASIDE_TIME, time.gmtime())
+    for n in range(1000):  # two studies set aside in the same second: never overwrite the first
+        dest = results / SUPERSEDED_DIR / (base if n == 0 else f"{base}.{n}")
+        try:
+            dest.mkdir(parents=True)
+            return dest
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{results / SUPERSEDED_DIR}: 1000 set-aside folders for {base}; remove some")
 
 
 def _set_aside(rel: Path) -> bool:
@@ -63,6 +79,15 @@ def is_summary(d: Any) -> bool:
     return isinstance(d, dict) and "schema" in d and "run" in d and "status" in d
 
 
+def read_summary_file(f: Path) -> Optional[dict[str, Any]]:
+    """The run summary in ``f``, or None when it is unreadable or not a summary (study.json, other JSON)."""
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return None
+    return d if is_summary(d) else None
+
+
 def load_summaries(paths: Iterable[os.PathLike]) -> list[dict[str, Any]]:
     """Every summary under ``paths`` (files, run directories, or trees of them), one per (experiment, run)."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
@@ -72,11 +97,8 @@ def load_summaries(paths: Iterable[os.PathLike]) -> list[dict[str, Any]]:
         files = [p] if p.is_file() else sorted(q for q in p.rglob("*.json")
                                                 if q.name != STUDY_FILE and not _set_aside(q.relative_to(p)))
         for f in files:
-            try:
-                d = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            if is_summary(d):
+            d = read_summary_file(f)
+            if d is not None:
                 found[(d.get("experiment", ""), d["run"])] = d
     return [found[k] for k in sorted(found)]
 
