@@ -6,6 +6,13 @@
 - ``no_trust_region``: the same unclipped importance-weighted objective as M2PO, -A r averaged over all valid tokens,
   with nothing masked (the paper's "GRPO no TR").
 
+Clip's diagnostics by quadrant: how many tokens the clip zeroed in each trust-region quadrant, ``pos_r_gt_1``
+(A > 0, r > 1 + eps_high) and ``neg_r_lt_1`` (A < 0, r < 1 - eps_low), and their share of the gradient weight |A r|
+of the trust region T (valid tokens with A > 0, r > 1 or A < 0, r < 1), as M2PO reports its masked tokens
+(``recipe.m2po.quadrant_weights``). A share is over the tokens of one call; the ``*_weight_per_token`` keys (sums /
+valid tokens) combine exactly over micro-batches when weighted by their valid tokens, as the runtime does, so
+``clipped_weight_per_token_Q / trust_region_weight_per_token`` is the share of a whole split step.
+
 Config keys (verl names first, then the runtime's AReaL-style names): ``clip_ratio_low`` / ``clip_ratio`` /
 ``eps_clip`` (default 0.2), ``clip_ratio_high`` / ``eps_clip_higher`` (default: the low value), ``clip_ratio_c`` /
 ``c_clip`` (default: off).
@@ -28,7 +35,15 @@ from recipe.common import (
     clamp_log_ratio,
 )
 
-VANILLA_METRIC_KEYS = ("vanilla/clip_fraction", "vanilla/dual_clip_fraction", "vanilla/ppo_kl")
+_QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
+VANILLA_QUADRANT_METRIC_KEYS = (
+    *(f"vanilla/num_clipped_{q}" for q in _QUADRANTS),
+    *(f"vanilla/clipped_weight_share_{q}" for q in _QUADRANTS),
+    "vanilla/trust_region_weight_per_token",
+    *(f"vanilla/clipped_weight_per_token_{q}" for q in _QUADRANTS),
+)
+VANILLA_METRIC_KEYS = ("vanilla/clip_fraction", "vanilla/dual_clip_fraction", "vanilla/ppo_kl",
+                       *VANILLA_QUADRANT_METRIC_KEYS)
 NO_TR_METRIC_KEYS = ("no_trust_region/ratio_mean", "no_trust_region/ratio_max", "no_trust_region/ppo_kl")
 
 
@@ -71,7 +86,25 @@ def compute_policy_loss_vanilla(
             _masked_mean(clipped.float(), valid), _masked_mean(dual_clipped.float(), valid),
             _masked_mean(-d.detach(), valid),
         ]).tolist()
-    return loss, dict(zip(VANILLA_METRIC_KEYS, stats))
+    metrics = dict(zip(VANILLA_METRIC_KEYS, stats))
+    metrics.update(_clip_quadrants(d, adv, ratio, valid, clipped))
+    return loss, metrics
+
+
+def _clip_quadrants(d: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor,
+                    clipped: torch.Tensor) -> dict[str, float]:
+    """The clipped tokens of each trust-region quadrant and their share of T's gradient weight (diagnostics only:
+    no_grad, from the detached ratio the loss already computed)."""
+    from recipe.m2po.algorithm import quadrant_weights, trust_region_mask
+
+    t = trust_region_mask(d, adv, valid)
+    q = quadrant_weights(d, adv, t, clipped & valid, ratio=ratio)
+    n_valid = max(int(valid.sum()), 1)
+    out = q.metrics(prefix="vanilla", noun="clipped")
+    out["vanilla/trust_region_weight_per_token"] = q.trust_region_weight / n_valid
+    for name, w in zip(_QUADRANTS, q.masked_weight):
+        out[f"vanilla/clipped_weight_per_token_{name}"] = w / n_valid
+    return {k: out[k] for k in VANILLA_QUADRANT_METRIC_KEYS}
 
 
 def compute_policy_loss_no_trust_region(

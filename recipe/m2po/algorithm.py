@@ -22,12 +22,19 @@ replaced by the largest float32 <= tau, so a float32 d^2 just above tau can neve
 Across data-parallel ranks (``group``), each rank contributes its low sum/count (all_reduce) and its high values
 (all_gather of variable-length lists), and every rank takes the identical decision; a rank with no tokens still
 joins the collectives.
+
+Diagnostics by quadrant (not part of the selection, never read by the loss). The gradient weight of a token is
+|A r| (the loss is -A r per token, so d loss / d log pi = -A r). For each trust-region quadrant, ``pos_r_gt_1``
+(A > 0, r > 1) and ``neg_r_lt_1`` (A < 0, r < 1), the loss and the batch selector report how many tokens were
+masked there and their share of the trust region's gradient weight, sum_{masked, quadrant} |A r| / sum_T |A r|, with
+r the loss's own exp(clamp(d, +-20)). They come from one no-grad pass over tensors the caller already has (the
+loss reuses its ratio); ``select_m2po`` alone does not pay for it (its result reports the selection's keys only).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -47,7 +54,7 @@ THRESHOLD_KEYS = ("policy_loss.m2_threshold", "m2_threshold")
 SCOPE_KEYS = ("policy_loss.m2_scope", "m2_scope")
 SCOPES = ("local", "dp_group")
 
-METRIC_KEYS = (
+SELECTION_METRIC_KEYS = (
     "m2po/m2_before",
     "m2po/m2_after",
     "m2po/masked_fraction",
@@ -57,6 +64,62 @@ METRIC_KEYS = (
     "m2po/num_masked_tokens",
     "m2po/threshold",
 )
+# The trust region's two quadrants, named as in the authors' metrics (kl_pos_r_gt_1 / kl_neg_r_lt_1).
+QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
+QUADRANT_METRIC_KEYS = (
+    *(f"m2po/num_masked_{q}" for q in QUADRANTS),
+    *(f"m2po/masked_weight_share_{q}" for q in QUADRANTS),
+)
+# What the loss (and the batch selector's selection) reports on every call.
+METRIC_KEYS = (*SELECTION_METRIC_KEYS, *QUADRANT_METRIC_KEYS)
+
+
+@dataclass(frozen=True)
+class QuadrantWeights:
+    """Masked tokens of T by quadrant and their gradient weight |A r| (sums over the scope, all ranks of a group)."""
+
+    num_masked: tuple[int, int]  # (pos_r_gt_1, neg_r_lt_1)
+    masked_weight: tuple[float, float]  # sum |A r| of the masked tokens of each quadrant
+    trust_region_weight: float  # sum |A r| over all of T (masked or kept)
+
+    def metrics(self, prefix: str = "m2po", noun: str = "masked") -> dict[str, float]:
+        total = self.trust_region_weight
+        out = {f"{prefix}/num_{noun}_{q}": float(n) for q, n in zip(QUADRANTS, self.num_masked)}
+        out.update({f"{prefix}/{noun}_weight_share_{q}": (w / total if total > 0 else 0.0)
+                    for q, w in zip(QUADRANTS, self.masked_weight)})
+        return out
+
+
+@torch.no_grad()
+def quadrant_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, trust_region: torch.Tensor,
+                     removed: torch.Tensor, *, ratio: Optional[torch.Tensor] = None,
+                     group: Optional[Any] = None) -> QuadrantWeights:
+    """Removed tokens of the trust region ``T`` per quadrant and their share of T's gradient weight |A r|.
+
+    ``removed``: the tokens whose gradient the loss drops (M2PO: masked; clip: clipped); only those inside T count.
+    ``ratio``: the loss's exp(clamp(d)) if the caller has it (no second exp); else computed from ``log_ratio``.
+    One elementwise pass and one host sync (plus one all_reduce of 5 numbers with ``group``).
+    """
+    t = trust_region.bool()
+    if ratio is None:
+        ratio = torch.exp(clamp_log_ratio(torch.where(t, log_ratio.detach().float(), torch.zeros((),
+                                                                                    device=t.device))))
+    zero = torch.zeros((), dtype=torch.float32, device=t.device)
+    # |A r| on T, 0 elsewhere (torch.where: padding may hold NaN, and T is False there)
+    w = torch.where(t, advantages.detach().float().abs() * ratio.detach().float(), zero)
+    gone = t & removed.bool()
+    pos = gone & (advantages.detach() > 0)
+    neg = gone & ~pos  # inside T, A != 0: the other quadrant
+    f64 = torch.float64
+    stats = torch.stack([
+        w.sum(dtype=f64), torch.where(pos, w, zero).sum(dtype=f64), torch.where(neg, w, zero).sum(dtype=f64),
+        torch.count_nonzero(pos).to(f64), torch.count_nonzero(neg).to(f64),
+    ])
+    if group is not None:
+        torch.distributed.all_reduce(stats, group=group)
+    total, w_pos, w_neg, n_pos, n_neg = stats.tolist()
+    return QuadrantWeights(num_masked=(int(n_pos), int(n_neg)), masked_weight=(w_pos, w_neg),
+                           trust_region_weight=total)
 
 
 @dataclass
@@ -71,10 +134,13 @@ class M2POSelection:
     m2_before: float  # mean d^2 over T before masking (0 when T is empty)
     m2_after: float  # mean d^2 over the kept tokens of T (0 when none is kept)
     threshold: float
+    # Per-quadrant diagnostics (see quadrant_weights): attached by the loss and the batch selector, None from
+    # select_m2po alone, whose metrics() then has only the selection's keys.
+    quadrants: Optional[QuadrantWeights] = None
 
     def metrics(self) -> dict[str, float]:
         valid = max(self.num_valid, 1)
-        return {
+        out = {
             "m2po/m2_before": float(self.m2_before),
             "m2po/m2_after": float(self.m2_after),
             "m2po/masked_fraction": self.num_masked / valid,
@@ -84,6 +150,9 @@ class M2POSelection:
             "m2po/num_masked_tokens": float(self.num_masked),
             "m2po/threshold": float(self.threshold),
         }
+        if self.quadrants is not None:
+            out.update(self.quadrants.metrics())
+        return out
 
 
 def m2_threshold_from_config(config: Any) -> float:
@@ -319,6 +388,8 @@ def m2po_batch_selector(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     valid = check_inputs("m2po", old_log_prob, log_prob, advantages, response_mask)
     d = masked_log_ratio(old_log_prob, log_prob.detach(), valid)
     selection = select_m2po(d, advantages, valid, tau, group=group)
+    selection = replace(selection, quadrants=quadrant_weights(d, advantages, selection.trust_region,
+                                                              ~selection.keep_mask, group=group))
     return {"keep_mask": selection.keep_mask, "selection": selection}
 
 
@@ -341,8 +412,10 @@ def compute_policy_loss_m2po(
     tau = m2_threshold_from_config(config)
     valid = check_inputs("m2po", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     d = masked_log_ratio(old_log_prob, log_prob, valid)
+    group = None
     if keep_mask is None:
-        selection = select_m2po(d, advantages, valid, tau, group=_scope_group(m2_scope_from_config(config)))
+        group = _scope_group(m2_scope_from_config(config))
+        selection = select_m2po(d, advantages, valid, tau, group=group)
     else:
         if keep_mask.shape != valid.shape:
             raise ValueError(f"m2po: keep_mask has shape {tuple(keep_mask.shape)}, expected {tuple(valid.shape)}")
@@ -354,4 +427,7 @@ def compute_policy_loss_m2po(
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
     loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))
+    # Diagnostics only (no_grad, from the detached ratio): the loss above is computed exactly as without them.
+    selection = replace(selection, quadrants=quadrant_weights(d, advantages, selection.trust_region, ~keep,
+                                                              ratio=ratio, group=group))
     return loss, selection.metrics()
