@@ -26,10 +26,10 @@ BatchSelector = Callable[..., "dict[str, Any]"]
 
 # Modules that register the built-in losses. Imported lazily on first lookup so that
 # `import recipe.registry` stays import-cycle free (the recipes import this module).
-_BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines", "recipe.fipo")
+_BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines", "recipe.fipo", "recipe.m2po_authors")
 # The names those modules register, so a config can be validated without importing torch (a unit test keeps this in
 # step with what the modules really register).
-BUILTIN_POLICY_LOSSES = ("fipo", "m2po", "no_trust_region", "vanilla")
+BUILTIN_POLICY_LOSSES = ("fipo", "m2po", "m2po_authors", "no_trust_region", "vanilla")
 # verl's loss aggregation modes (recipe.common implements them; listed here, torch-free, for config validation).
 LOSS_AGG_MODES = (
     "token-mean",

@@ -234,7 +234,8 @@ class ActorConfig(_Section):
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
     optimizer: OptimizerConfig = _f(factory=OptimizerConfig, help="Optimizer.")
     loss: str = _f("m2po", help="Policy loss, a name registered in recipe.registry (built in: m2po, vanilla, "
-                                "no_trust_region, fipo).")
+                                "no_trust_region, fipo, m2po_authors: the M2PO authors' adaptive-clip variant, "
+                                "opt-in).")
     loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
                                                "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
                                                "seq-mean-token-mean.")
