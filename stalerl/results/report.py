@@ -344,6 +344,9 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
                   "runs are read):", "", render_pilot(cells, pilot)]
     if claim_set or pilot is not None:
         lines += ["", *render_diagnostics(cells)]
+        quadrants = render_quadrants(cells)
+        if quadrants:  # only runs that logged them (issue 30): older blocks stay byte for byte as they were
+            lines += ["", *quadrants]
     for fig in figures:
         lines += ["", f"![{study}: {Path(fig).stem}]({fig})"]
     return "\n".join(lines) + "\n"
@@ -375,6 +378,39 @@ def render_diagnostics(cells: Sequence[Cell]) -> list[str]:
     header = ["setting", "method", *(h for h, _, _ in DIAGNOSTIC_COLUMNS), "grad norm before clipping (max)"]
     return ["Drift diagnostics (per run: mean or max over steps; cells: mean over runs ± 95% half-width; curves in "
             "the summaries):", "", *_table(header, rows)]
+
+
+# Which tokens each trust region removes, per quadrant: (loss prefix, noun). Summaries written before these metrics
+# existed have none, and a block whose runs all lack them has no such table.
+QUADRANT_LOSSES = (("m2po", "masked"), ("vanilla", "clipped"), ("m2po_authors", "clipped"))
+QUADRANT_NAMES = (("pos_r_gt_1", "A>0, r>1"), ("neg_r_lt_1", "A<0, r<1"))
+
+
+def render_quadrants(cells: Sequence[Cell]) -> list[str]:
+    """Per cell, the mean over runs of the per-run mean over steps of the removed tokens per quadrant and their share
+    of the trust region's gradient weight |A r|."""
+    rows = []
+    for c in cells:
+        runs = [*c.finished, *c.diverged]
+        for loss, noun in QUADRANT_LOSSES:
+            keys = [f"actor/{loss}/{what}_{q}" for q, _ in QUADRANT_NAMES for what in (f"num_{noun}",
+                                                                                       f"{noun}_weight_share")]
+            per_key = [[float(v) for r in runs
+                        if isinstance(v := ((r.get("diagnostics") or {}).get(k) or {}).get("mean"), (int, float))]
+                       for k in keys]
+            if not any(per_key):
+                continue
+            rows.append([c.setting, c.method, f"{loss} {noun}",
+                         *(format_estimate(mean_interval(v), 2 if i % 2 == 0 else 4) if v else "-"
+                           for i, v in enumerate(per_key))])
+    if not rows:
+        return []
+    header = ["setting", "method", "tokens"]
+    for _, name in QUADRANT_NAMES:
+        header += [f"removed per step ({name})", f"share of trust-region \\|A·r\\| ({name})"]
+    return ["Removed tokens by trust-region quadrant (per run: mean over steps; cells: mean over runs ± 95% "
+            "half-width). Share: the removed tokens' gradient weight \\|A·r\\| over that of all trust-region "
+            "tokens:", "", *_table(header, rows)]
 
 
 # ------------------------------------------------------------------------------------------------ figures

@@ -43,6 +43,16 @@ CURVE_METRICS = ("reward/consumed", "reward/generated", "actor/grad_norm", "stal
 DIAGNOSTIC_METRICS = ("actor/m2po/m2_before", "actor/m2po/m2_after", "actor/m2_all_tokens",
                       "actor/log_ratio_abs_max", "actor/ratio_max", "actor/vanilla/clip_fraction",
                       "actor/m2po/masked_fraction", "rollout/entropy")
+# Which tokens the trust region removes (issue 30): per quadrant (pos_r_gt_1: A > 0, r > 1; neg_r_lt_1: A < 0,
+# r < 1) the removed tokens and their share of the trust region's gradient weight |A r|, for M2PO's mask, clip's clip
+# and the authors' adaptive clip. Runs that predate these metrics simply have no such curves.
+QUADRANT_DIAGNOSTICS = tuple(
+    f"actor/{loss}/{what}_{q}"
+    for loss, noun in (("m2po", "masked"), ("vanilla", "clipped"), ("m2po_authors", "clipped"))
+    for what in (f"num_{noun}", f"{noun}_weight_share")
+    for q in ("pos_r_gt_1", "neg_r_lt_1"))
+DIAGNOSTIC_METRICS += (*QUADRANT_DIAGNOSTICS, "actor/m2po_authors/clip_fraction", "actor/m2po_authors/m2_before",
+                       "actor/m2po_authors/log_ratio_bound")
 # Config sections that do not change what is learned: left out of ``setting_digest`` (with seed and names), so
 # runs of one setting over seeds share it.
 _NON_SETTING_KEYS = ("seed", "experiment_name", "trial_name", "cluster", "scheduler", "stats_logger", "recover",
@@ -225,9 +235,10 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
 
 def identity_fields(cfg: Any) -> dict[str, Any]:
     """The fields a study's ``method_keys`` may name: seed, loss, behaviour log-probs and the optimizer knobs a
-    pilot varies (lr, gradient_clipping)."""
+    pilot varies (lr, gradient_clipping), and the M2 threshold tau a study varies (m2_threshold)."""
     return {"seed": cfg.seed, "loss": cfg.actor.loss, "behavior_logp": cfg.actor.behavior_logp,
-            "lr": cfg.actor.optimizer.lr, "gradient_clipping": cfg.actor.optimizer.gradient_clipping}
+            "lr": cfg.actor.optimizer.lr, "gradient_clipping": cfg.actor.optimizer.gradient_clipping,
+            "m2_threshold": cfg.actor.m2_threshold}
 
 
 def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
