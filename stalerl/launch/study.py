@@ -14,9 +14,12 @@ the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``s
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
 ``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
-stalerl.results.report_prereg; the legacy ``staleness`` / ``async`` strings check the published claims the old way,
+stalerl.results.report_prereg; a claim may state ``expected_sd``, and ``stalerl-study run`` prints every claim's power
+at the spec's seeds before anything runs and refuses an equivalence claim that could not pass at a true difference
+of 0 unless it says ``accept_low_power``; ``stalerl-study power SPEC`` prints the same without running; the legacy ``staleness`` / ``async`` strings check the published claims the old way,
 see stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g.
-on-policy once), ``pilot`` (a pilot's decision rule, see stalerl.results.pilot: validated, copied into study.json
+on-policy once), ``variant_losses`` (optional mapping variant -> the losses run with it, e.g. a tau variant for m2po
+only; a variant not listed runs with every loss), ``pilot`` (a pilot's decision rule, see stalerl.results.pilot: validated, copied into study.json
 and applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
@@ -52,7 +55,7 @@ from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
              "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
-             "claims", "setting_losses", "pilot"}
+             "claims", "setting_losses", "pilot", "variant_losses"}
 
 
 class StudyError(ValueError):
@@ -89,6 +92,18 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("doc", "docs/algorithms/m2po.md")
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
+    spec["registered_seeds"] = list(spec["seeds"])  # the plan the claims' power is stated for (--seeds may cut it)
+    by_variant = spec.setdefault("variant_losses", {})
+    if not isinstance(by_variant, dict):
+        raise StudyError(f"{p}: 'variant_losses' must map a variant name to the losses run with it")
+    for variant, losses in by_variant.items():
+        if variant not in spec["variants"]:
+            raise StudyError(f"{p}: variant_losses names {variant!r}, which is not in 'variants' "
+                             f"({', '.join(spec['variants']) or 'none'})")
+        bad = [x for x in (losses or []) if x not in spec["losses"]]
+        if not losses or bad:
+            raise StudyError(f"{p}: variant_losses[{variant!r}]={losses!r}: expected a non-empty list of losses "
+                             f"from 'losses' ({', '.join(spec['losses'])})")
     only = spec.setdefault("setting_losses", {})
     if not isinstance(only, dict):
         raise StudyError(f"{p}: 'setting_losses' must map a setting name to the losses run there (e.g. the "
@@ -133,8 +148,16 @@ def _losses_at(spec: dict[str, Any], setting: str) -> list[str]:
     return [x for x in spec["losses"] if x in only] if only else list(spec["losses"])
 
 
+def _variants_of(spec: dict[str, Any], loss: str) -> dict[str, list[str]]:
+    """The variants run with ``loss``: all of them, except those variant_losses gives to other losses only."""
+    only = spec.get("variant_losses") or {}
+    return {name: ovr for name, ovr in (spec["variants"] or {"": []}).items()
+            if name not in only or loss in only[name]}
+
+
 def _grid(spec: dict[str, Any]) -> list[list[str]]:
-    """[method label, setting] of every cell the spec runs (setting_losses restricts a setting's losses)."""
+    """[method label, setting] of every cell the spec runs (setting_losses restricts a setting's losses,
+    variant_losses a variant's)."""
     labels = dict(zip(spec["losses"], _labels_per_loss(spec)))
     out = []
     for setting in spec["settings"]:
@@ -149,11 +172,10 @@ def _slug(text: str) -> str:
 
 def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The grid in (setting, loss, variant, seed) order: [{trial, seed, setting, overrides}]."""
-    variants = spec["variants"] or {"": []}
     runs = []
     for setting, s_ovr in spec["settings"].items():
         for loss in _losses_at(spec, setting):
-            for variant, v_ovr in variants.items():
+            for variant, v_ovr in _variants_of(spec, loss).items():
                 for seed in spec["seeds"]:
                     trial = "-".join(x for x in (_slug(loss), _slug(variant), _slug(setting), f"seed{seed}") if x)
                     runs.append({"trial": trial, "seed": seed, "setting": setting,
@@ -263,6 +285,7 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         for r in runs:
             r["overrides"].append(f"scheduler.type={scheduler}")
     configs = check_settings(spec, runs)
+    check_power(spec)  # prints every claim's power; refuses an underpowered equivalence claim before any work
     kind = configs[0].scheduler.type
     print(f"study {spec['name']}: {len(runs)} runs (scheduler.type={kind}, parallel={spec['parallel']})")
     for r in runs:
@@ -357,6 +380,50 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
 
 
+def check_power(spec: dict[str, Any], *, out=print) -> None:
+    """Print each pre-registered claim's minimum detectable effect / equivalence power at the registered seeds, then
+    refuse (StudyError, one line per claim) an equivalence claim that cannot pass at a true difference of 0 (or that
+    states no expected_sd) unless it says accept_low_power."""
+    claims = spec.get("claims")
+    if not isinstance(claims, dict):
+        return
+    from stalerl.results.report_prereg import parse_claims, power_report
+
+    n = len(spec.get("registered_seeds") or spec["seeds"])
+    report = power_report(parse_claims(claims), n)
+    out(f"study {spec['name']}: power of the pre-registered claims at the spec's {n} seeds (paired normal "
+        "differences with the stated SD; Holm can only lower it):")
+    for p in report:
+        out(f"  {p.line}")
+    if len(spec["seeds"]) != n:
+        out(f"  (this invocation runs {len(spec['seeds'])} of the {n} registered seeds: a validation grid, not the "
+            "registered study)")
+    refusals = [p.refusal for p in report if p.refusal]
+    if refusals:
+        raise StudyError("; ".join(refusals))
+
+
+def paired_sd(results: str, a: str, b: str, metric: str, metric_b: Optional[str], method_keys: Sequence[str]) -> str:
+    """Mean and SD of the per-seed differences a - b in committed summaries (for a later spec's expected_sd)."""
+    from stalerl.results.report import ReportError, group, load_study, load_summaries
+    from stalerl.results.report_metrics import CollapseRule
+    from stalerl.results.report_prereg import ClaimSpecError, paired_values, parse_cell
+
+    try:
+        meta = load_study([results])
+        cells = group(load_summaries([results]), method_keys=meta.get("method_keys") or method_keys,
+                      grid=meta.get("grid"))
+        pairs = paired_values(cells, parse_cell(a, "--a"), parse_cell(b, "--b"), metric, metric_b, CollapseRule())
+    except (ReportError, ClaimSpecError) as exc:
+        raise StudyError(str(exc)) from exc
+    diffs = [x - y for _, x, y in pairs]
+    if len(diffs) < 2:
+        raise StudyError(f"{results}: {len(diffs)} paired seed(s) of {a!r} and {b!r} with {metric}; need >= 2")
+    mean = sum(diffs) / len(diffs)
+    sd = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
+    return f"{a} - {b}, {metric}{f' vs {metric_b}' if metric_b else ''}: n={len(diffs)} mean {mean:+.4f} sd {sd:.4f}"
+
+
 def set_aside_other_summaries(results: Path, trials: set[str]) -> list[Path]:
     """Move the run summaries directly in ``results`` whose trial is not in ``trials`` to
     ``results/superseded/<UTC time>/`` (never deleted: they may be the only copy); returns their new paths. Other
@@ -387,7 +454,7 @@ def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) 
 
 def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
     """Per loss (in spec order), the method labels of its variants as the report names them."""
-    return [[_label(spec, loss, ovr) for ovr in (spec["variants"] or {"": []}).values()] for loss in spec["losses"]]
+    return [[_label(spec, loss, ovr) for ovr in _variants_of(spec, loss).values()] for loss in spec["losses"]]
 
 
 def _method_labels(spec: dict[str, Any]) -> list[str]:
@@ -462,6 +529,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pl = sub.add_parser("pilot", help="apply a pilot spec's decision rule to its collected summaries")
     pl.add_argument("results", help="the pilot's results directory (collected summaries and study.json)")
     pl.add_argument("--spec", required=True, help="the pilot's study spec (its 'pilot' mapping)")
+    pw = sub.add_parser("power", help="print the pre-registered claims' power at the spec's seeds (and whether "
+                                      "`run` would refuse them); runs nothing")
+    pw.add_argument("spec")
+    sd = sub.add_parser("paired-sd", help="mean and SD of per-seed differences in collected summaries (for a "
+                                          "claim's expected_sd)")
+    sd.add_argument("results", help="a study's results directory (summaries and study.json)")
+    sd.add_argument("--a", required=True, help="cell 'method @ setting'")
+    sd.add_argument("--b", required=True, help="cell 'method @ setting'")
+    sd.add_argument("--metric", default="last3", help="last3, auc, final, peak_drop or a summary field path")
+    sd.add_argument("--metric-b", dest="metric_b", help="b's metric when it differs")
     w = sub.add_parser("warm-start", help="(internal) warm-start one seed and save the model")
     w.add_argument("--out", required=True)
     w.add_argument("--config", required=True)
@@ -470,6 +547,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if a.cmd == "pilot":
             return pilot_decision(a.results, a.spec)
+        if a.cmd == "power":
+            check_power(load_spec(a.spec))
+            return 0
+        if a.cmd == "paired-sd":
+            print(paired_sd(a.results, a.a, a.b, a.metric, a.metric_b, ["loss"]))
+            return 0
         if a.cmd == "warm-start":
             warm_start_to(_load(a.config, a.overrides), Path(a.out))
             return 0

@@ -20,8 +20,20 @@ runs that finished or diverged (a diverged run counts with accuracy 0 after it s
   one-sample t-test of ``metric(a) - metric_b(b)`` against 0.
 - ``equivalent``: two one-sided tests (TOST) that the paired mean difference lies within ``(-margin, +margin)``;
   an interval that merely contains 0 is *not* support.
+- ``noninferior``: a is not worse than b by ``margin`` or more: the one-sided paired t-test of H0 mean <= -margin;
+  the opposite (does not hold) is that a is worse by more than the margin (mean < -margin significantly).
 - ``collapses_more``: the pre-registered collapse rule per run, then a one-sided Fisher exact test that ``a``
   collapses more often than ``b`` (counts, not paired). The paired early-peak-to-final drop is shown beside it.
+
+Power, stated at registration: a claim may give ``expected_sd``, the SD of the paired differences it expects (from a
+pilot or an earlier study; say where in a comment), for its metric. ``stalerl-study`` then prints, before anything
+runs, each claim's minimum detectable effect (one-sided tests) or its expected interval half-width and its power at a
+true difference of 0 (equivalence) at the planned seeds, and refuses to run an equivalence claim whose power there
+is below 0.8, or that states no ``expected_sd``, unless the claim says ``accept_low_power: <why>`` (see
+:func:`power_report`).
+
+Beside each paired test's p the block shows an exact sign-flip (permutation) p, with its own Holm adjustment: a
+secondary column; the verdict is always the registered test's.
 
 The p-values of a study's claims are Holm-adjusted together. Verdicts: **holds** (adjusted p <= alpha),
 **does not hold** (the test of the opposite, also Holm-adjusted across the study's claims, is significant: a < b
@@ -37,10 +49,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 from stalerl.core.errors import refuse_unknown_keys
 from stalerl.results.report_metrics import EVAL_METRICS, OUTCOME_STATUSES, CollapseRule, collapsed, run_metric
-from stalerl.results.report_stats import fisher_greater, format_estimate, holm_adjust, mean_interval, paired_test
+from stalerl.results.report_stats import (equivalence_margin_needed, fisher_greater, format_estimate, holm_adjust,
+                                          mean_interval, minimum_detectable_effect, paired_test, power_equivalence,
+                                          power_one_sided, sign_flip_equivalence_p, sign_flip_p, t_quantile)
 
-TESTS = ("greater", "less", "equivalent", "collapses_more")
-CLAIM_KEYS = {"id", "text", "test", "a", "b", "metric", "metric_b", "margin"}
+TESTS = ("greater", "less", "equivalent", "noninferior", "collapses_more")
+MARGIN_TESTS = ("equivalent", "noninferior")
+CLAIM_KEYS = {"id", "text", "test", "a", "b", "metric", "metric_b", "margin", "expected_sd", "accept_low_power"}
+POWER_TARGET = 0.8  # an equivalence claim below this power at a true difference of 0 is refused unless accepted
 METRIC_NAMES = {"last3": "mean of last 3 evals", "auc": "eval-curve AUC", "final": "final eval",
                 "peak_drop": "early peak - final window"}
 
@@ -66,6 +82,8 @@ class Claim:
     metric: str = "last3"
     metric_b: Optional[str] = None
     margin: Optional[float] = None
+    expected_sd: Optional[float] = None  # the SD of the paired differences the registration expects
+    accept_low_power: Optional[str] = None  # why an underpowered equivalence claim runs anyway
 
 
 @dataclass(frozen=True)
@@ -115,14 +133,28 @@ def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
             if m is not None and (not isinstance(m, str) or not m):
                 raise ClaimSpecError(f"{w}.{key}={m!r}: expected {', '.join(EVAL_METRICS)} or a summary field path")
         margin = c.get("margin")
-        if c["test"] == "equivalent":
+        if c["test"] in MARGIN_TESTS:
             if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
-                raise ClaimSpecError(f"{w}.margin={margin!r}: an equivalence claim needs a margin > 0, e.g. 0.05")
+                kind = "an equivalence" if c["test"] == "equivalent" else "a non-inferiority"
+                raise ClaimSpecError(f"{w}.margin={margin!r}: {kind} claim needs a margin > 0, e.g. 0.05")
         elif margin is not None:
-            raise ClaimSpecError(f"{w}.margin: only 'equivalent' claims take a margin; remove it")
+            raise ClaimSpecError(f"{w}.margin: only 'equivalent' and 'noninferior' claims take a margin; remove it")
+        sd = c.get("expected_sd")
+        if sd is not None:
+            if isinstance(sd, bool) or not isinstance(sd, (int, float)) or not sd > 0:
+                raise ClaimSpecError(f"{w}.expected_sd={sd!r}: expected the SD of the paired differences, a number > 0 "
+                                     "(e.g. 0.03, from a pilot's or an earlier study's summaries)")
+            if c["test"] == "collapses_more":
+                raise ClaimSpecError(f"{w}.expected_sd: a collapses_more claim counts collapses (Fisher), it has no "
+                                     "paired SD; remove it")
+        accept = c.get("accept_low_power")
+        if accept is not None and (not isinstance(accept, str) or not accept.strip()):
+            raise ClaimSpecError(f"{w}.accept_low_power={accept!r}: expected a sentence saying why the claim runs "
+                                 "although it is underpowered")
         claims.append(Claim(id=str(c["id"]), text=str(c["text"]), test=c["test"], a=parse_cell(c["a"], f"{w}.a"),
                             b=parse_cell(c["b"], f"{w}.b"), metric=metric, metric_b=c.get("metric_b"),
-                            margin=None if margin is None else float(margin)))
+                            margin=None if margin is None else float(margin),
+                            expected_sd=None if sd is None else float(sd), accept_low_power=accept))
     return ClaimSet(tuple(claims), float(alpha), baseline, rule)
 
 
@@ -153,6 +185,8 @@ class Result:
     p_adj: Optional[float] = None
     p_against_adj: Optional[float] = None
     verdict: str = "not shown"
+    p_perm: Optional[float] = None  # the exact sign-flip p of the same claim (secondary; None for Fisher claims)
+    p_perm_adj: Optional[float] = None
 
 
 def _sign(x: float, digits: int = 3) -> str:
@@ -180,14 +214,21 @@ def test_claim(cells, claim: Claim, rule: CollapseRule, alpha: float) -> Result:
     digits = 4 if claim.metric.startswith("fractions.") else 3
     est = mean_interval([x - y for _, x, y in pairs])
     ev = f"difference {format_estimate(est, digits)}, a higher in {wins}/{t.n} seeds"
+    diffs = [x - y for _, x, y in pairs]
     if claim.test == "greater":
-        return Result(claim, t.p_greater(), t.p_less(), ev)
+        return Result(claim, t.p_greater(), t.p_less(), ev, p_perm=sign_flip_p(diffs, "greater"))
     if claim.test == "less":
-        return Result(claim, t.p_less(), t.p_greater(), ev)
+        return Result(claim, t.p_less(), t.p_greater(), ev, p_perm=sign_flip_p(diffs, "less"))
+    if claim.test == "noninferior":
+        lo = est.mean - (t_quantile(1.0 - alpha, t.df) * t.se)
+        ev += f"; one-sided {100 * (1 - alpha):g}% lower bound {_sign(lo)} vs -{claim.margin:g}"
+        return Result(claim, t.p_greater(-claim.margin), t.p_less(-claim.margin), ev,
+                      p_perm=sign_flip_p(diffs, "greater", -claim.margin))
     lo, hi = t.interval(alpha)
     ev += f"; {100 * (1 - 2 * alpha):g}% interval [{_sign(lo)}, {_sign(hi)}] vs margin ±{claim.margin:g}"
     return Result(claim, t.p_equivalent(claim.margin),
-                  min(t.p_greater(claim.margin), t.p_less(-claim.margin)), ev)
+                  min(t.p_greater(claim.margin), t.p_less(-claim.margin)), ev,
+                  p_perm=sign_flip_equivalence_p(diffs, claim.margin))
 
 
 def evaluate(cells, claim_set: ClaimSet) -> list[Result]:
@@ -195,14 +236,15 @@ def evaluate(cells, claim_set: ClaimSet) -> list[Result]:
     raw = [test_claim(cells, c, claim_set.rule, claim_set.alpha) for c in claim_set.claims]
     adj = holm_adjust([r.p for r in raw])
     adj_against = holm_adjust([r.p_against for r in raw])
+    adj_perm = holm_adjust([r.p_perm for r in raw])  # secondary: never decides a verdict
     out = []
-    for r, p, q in zip(raw, adj, adj_against):
+    for r, p, q, pp in zip(raw, adj, adj_against, adj_perm):
         verdict = "not shown"
         if p is not None and p <= claim_set.alpha:
             verdict = "holds"
         elif q is not None and q <= claim_set.alpha:
             verdict = "does not hold"
-        out.append(Result(r.claim, r.p, r.p_against, r.evidence, p, q, verdict))
+        out.append(Result(r.claim, r.p, r.p_against, r.evidence, p, q, verdict, r.p_perm, pp))
     return out
 
 
@@ -222,8 +264,13 @@ def _what(claim: Claim) -> str:
         metric += f" vs {METRIC_NAMES.get(claim.metric_b, claim.metric_b)}"
     if claim.test == "collapses_more":
         return f"{_cell_name(claim.a)} collapses more often than {_cell_name(claim.b)} (Fisher exact)"
-    rel = {"greater": ">", "less": "<", "equivalent": "≈"}[claim.test]
-    extra = f" within ±{claim.margin:g} (TOST)" if claim.test == "equivalent" else " (paired t)"
+    rel = {"greater": ">", "less": "<", "equivalent": "≈", "noninferior": "not below"}[claim.test]
+    if claim.test == "equivalent":
+        extra = f" within ±{claim.margin:g} (TOST)"
+    elif claim.test == "noninferior":
+        extra = f" by {claim.margin:g} or more (non-inferiority, paired t)"
+    else:
+        extra = " (paired t)"
     return f"{_cell_name(claim.a)} {rel} {_cell_name(claim.b)}: {metric}{extra}"
 
 
@@ -236,12 +283,86 @@ def render_prereg(cells, claim_set: ClaimSet) -> list[str]:
              f"falls ≥ {r.drop:g} below the run's running best for {r.consecutive} consecutive evals at steps ≥ "
              f"{r.after_step}, or the run diverged; early-peak-to-final drop: the best eval at steps ≤ {r.early_end} "
              f"minus the mean of the last {r.final_evals}. Holds: adjusted p ≤ α; does not hold: the opposite is "
-             "significant after adjustment; not shown: neither.", "",
-             "| claim | test | evidence | p | Holm p | verdict |", "|---|---|---|---|---|---|"]
+             "significant after adjustment; not shown: neither. Secondary, never the verdict: the exact sign-flip "
+             "(permutation) p of the same paired comparison (all 2^n sign patterns of the differences; its floor "
+             "is 1/2^n) and its Holm-adjusted value.", "",
+             "| claim | test | evidence | p | Holm p | sign-flip p (Holm) | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for x in results:
+        perm = "-" if x.p_perm is None else f"{_p(x.p_perm)} ({_p(x.p_perm_adj)})"
         lines.append(f"| {x.claim.id}: {x.claim.text} | {_what(x.claim)} | {x.evidence} | {_p(x.p)} | "
-                     f"{_p(x.p_adj)} | **{x.verdict}** |")
+                     f"{_p(x.p_adj)} | {perm} | **{x.verdict}** |")
     return lines
+
+
+# ------------------------------------------------------------------------------------------------ power
+@dataclass(frozen=True)
+class ClaimPower:
+    claim: Claim
+    n: int
+    line: str  # what stalerl-study prints for the claim
+    refusal: Optional[str] = None  # one line, when the claim may not run as registered
+
+
+def claim_power(claim: Claim, n: int, alpha: float, m: int) -> ClaimPower:
+    """The claim's minimum detectable effect (one-sided) or expected half-width and power at 0 (equivalence), at n
+    planned seeds, at its level alpha (an upper bound on the power once Holm adjusts across m claims) and at alpha / m
+    (Holm's strictest step)."""
+    if claim.test == "collapses_more":
+        return ClaimPower(claim, n, f"{claim.id} (collapses_more, n={n}): Fisher exact on collapse counts; power not "
+                                    "computed (no paired SD)")
+    head = f"{claim.id} ({claim.test}, {METRIC_NAMES.get(claim.metric, claim.metric)}, n={n})"
+    if claim.expected_sd is None:
+        line = f"{head}: no expected_sd stated, power unknown"
+        refusal = None
+        if claim.test in MARGIN_TESTS and claim.accept_low_power is None:
+            refusal = (f"claim {claim.id}: a {claim.test} claim must state expected_sd (the paired SD it expects, "
+                       "from a pilot or an earlier study) so its power can be checked, or accept_low_power: <why>")
+        return ClaimPower(claim, n, line, refusal)
+    if n < 2:
+        return ClaimPower(claim, n, f"{head}: fewer than 2 seeds, nothing can be shown",
+                          None if claim.accept_low_power else f"claim {claim.id}: fewer than 2 planned seeds")
+    sd = claim.expected_sd
+    strict = alpha / max(m, 1)
+    if claim.test in ("greater", "less"):
+        mde, mde_strict = minimum_detectable_effect(sd, n, alpha), minimum_detectable_effect(sd, n, strict)
+        return ClaimPower(claim, n, f"{head}: expected paired SD {sd:g}; minimum detectable effect (power "
+                                    f"{POWER_TARGET:g}) {mde:.3f} at α {alpha:g}, {mde_strict:.3f} at α/{m} "
+                                    f"{strict:.4f}")
+    if claim.test == "noninferior":
+        power0 = power_one_sided(claim.margin, sd, n, alpha)
+        power0_strict = power_one_sided(claim.margin, sd, n, strict)
+        needed = minimum_detectable_effect(sd, n, alpha)
+        line = (f"{head}: expected paired SD {sd:g}; power at a true difference of 0 to show a > b - {claim.margin:g}: "
+                f"{power0:.2f} at α {alpha:g}, {power0_strict:.2f} at α/{m}; margin for power {POWER_TARGET:g}: "
+                f"{needed:.3f}")
+        return _with_refusal(claim, n, sd, line, power0, needed, "non-inferiority")
+    half = t_quantile(1.0 - alpha, n - 1) * sd / n ** 0.5
+    power0 = power_equivalence(0.0, sd, n, alpha, claim.margin)
+    power0_strict = power_equivalence(0.0, sd, n, strict, claim.margin)
+    needed = equivalence_margin_needed(sd, n, alpha)
+    line = (f"{head}: expected paired SD {sd:g}; expected interval half-width {half:.3f} vs margin "
+            f"±{claim.margin:g}; power at a true difference of 0: {power0:.2f} at α {alpha:g}, {power0_strict:.2f} "
+            f"at α/{m}; margin for power {POWER_TARGET:g}: {needed:.3f}")
+    return _with_refusal(claim, n, sd, line, power0, needed, "equivalence")
+
+
+def _with_refusal(claim: Claim, n: int, sd: float, line: str, power0: float, needed: float, what: str) -> ClaimPower:
+    refusal = None
+    if power0 < POWER_TARGET:
+        if claim.accept_low_power:
+            line += f"; underpowered, accepted: {claim.accept_low_power}"
+        else:
+            refusal = (f"claim {claim.id}: power {power0:.2f} < {POWER_TARGET:g} to show {what} within "
+                       f"{claim.margin:g} even at a true difference of 0 (n={n}, expected_sd {sd:g}); widen the "
+                       f"margin to at least {needed:.3f}, plan more seeds, or say accept_low_power: <why> in the claim")
+    return ClaimPower(claim, n, line, refusal)
+
+
+def power_report(claim_set: ClaimSet, n: int) -> list[ClaimPower]:
+    """Every claim's power statement at ``n`` planned seeds (see :func:`claim_power`)."""
+    m = len(claim_set.claims)
+    return [claim_power(c, n, claim_set.alpha, m) for c in claim_set.claims]
 
 
 # ------------------------------------------------------------------------------------------------ paired table

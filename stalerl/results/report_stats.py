@@ -230,3 +230,117 @@ def fisher_greater(a_events: int, a_n: int, b_events: int, b_n: int) -> float:
     hi = min(a_n, events)
     return min(1.0, math.fsum(math.exp(_log_choose(a_n, k) + _log_choose(b_n, events - k) - denom)
                               for k in range(a_events, hi + 1)))
+
+
+# ------------------------------------------------------------------------------------------------ exact sign flips
+# A secondary, assumption-light view of each paired claim: under H0 the paired differences are symmetric about 0 (or
+# about the margin), so every one of the 2^n sign patterns of |d_i| is equally likely. Exact for n <= SIGN_FLIP_MAX_N;
+# its smallest possible p is 1/2^n (1/256 at 8 seeds). tests/unit/test_power.py compares it with a literal
+# enumeration of every sign vector.
+SIGN_FLIP_MAX_N = 20
+
+
+def sign_flip_p(diffs: Sequence[float], alternative: str, shift: float = 0.0) -> Optional[float]:
+    """Exact one-sided sign-flip p of ``mean(diffs - shift)``: the share of the 2^n sign patterns whose sum is at
+    least (``greater``) / at most (``less``) the observed one; ties (within 1e-9 relative) count as extreme. None when
+    n = 0 or n > SIGN_FLIP_MAX_N."""
+    if alternative not in ("greater", "less"):
+        raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
+    xs = [float(d) - shift for d in diffs]
+    n = len(xs)
+    if n == 0 or n > SIGN_FLIP_MAX_N:
+        return None
+    observed = math.fsum(xs)
+    tol = 1e-9 * max(1.0, math.fsum(abs(x) for x in xs))
+    sums = [0.0]
+    for x in xs:  # all 2^n signed sums, built by doubling
+        a = abs(x)
+        sums = [s + a for s in sums] + [s - a for s in sums]
+    if alternative == "greater":
+        hits = sum(1 for s in sums if s >= observed - tol)
+    else:
+        hits = sum(1 for s in sums if s <= observed + tol)
+    return hits / len(sums)
+
+
+def sign_flip_equivalence_p(diffs: Sequence[float], margin: float) -> Optional[float]:
+    """TOST with sign flips: the larger of the two one-sided p's against -margin and +margin."""
+    lo, hi = sign_flip_p(diffs, "greater", -margin), sign_flip_p(diffs, "less", margin)
+    return None if lo is None else max(lo, hi)
+
+
+# ------------------------------------------------------------------------------------------------ power
+# Power of the registered paired tests for normal paired differences with a stated SD, integrated exactly over the
+# sampling distribution of the sample SD ((n-1) s^2 / sd^2 ~ chi^2_{n-1}): no normal approximation of t. The tests
+# (tests/unit/test_power.py) compare it with simulated studies.
+
+
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _sd_ratio_expectation(f, df: int, points: int = 2000) -> float:
+    """E[f(u)] for u = s / sd, (df) u^2 ~ chi^2_df, by Simpson's rule on u in [0, u_max]."""
+    u_max = math.sqrt((df + 12.0 * math.sqrt(2.0 * df) + 40.0) / df)
+    h = u_max / points
+    log_norm = (df / 2.0) * math.log(df / 2.0) - math.lgamma(df / 2.0) + math.log(2.0)
+
+    def density(u: float) -> float:  # of u = sqrt(X / df), X ~ chi^2_df
+        if u <= 0.0:
+            return 0.0
+        return math.exp(log_norm + (df - 1) * math.log(u) - df * u * u / 2.0)
+
+    total = 0.0
+    for i in range(points + 1):
+        u = i * h
+        w = 1 if i in (0, points) else (4 if i % 2 else 2)
+        total += w * density(u) * f(u)
+    return total * h / 3.0
+
+
+def power_one_sided(effect: float, sd: float, n: int, alpha: float) -> float:
+    """P(the one-sided paired t-test at level alpha holds) when the true mean difference is ``effect`` (in the claimed
+    direction) and the differences are normal with SD ``sd``."""
+    if n < 2 or not sd > 0:
+        raise ValueError(f"power needs n >= 2 seeds and sd > 0, got n={n}, sd={sd}")
+    t = t_quantile(1.0 - alpha, n - 1)
+    z = effect * math.sqrt(n) / sd
+    return _sd_ratio_expectation(lambda u: _phi(z - t * u), n - 1)
+
+
+def power_equivalence(true_diff: float, sd: float, n: int, alpha: float, margin: float) -> float:
+    """P(TOST at level alpha shows |difference| < margin) for a true mean difference ``true_diff``."""
+    if n < 2 or not sd > 0:
+        raise ValueError(f"power needs n >= 2 seeds and sd > 0, got n={n}, sd={sd}")
+    t = t_quantile(1.0 - alpha, n - 1)
+    k = math.sqrt(n) / sd
+
+    def inside(u: float) -> float:
+        hi, lo = (margin - true_diff) * k - t * u, (-margin - true_diff) * k + t * u
+        return max(0.0, _phi(hi) - _phi(lo))
+
+    return _sd_ratio_expectation(inside, n - 1)
+
+
+def minimum_detectable_effect(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest true difference the one-sided paired t-test detects with the given power (bisection)."""
+    lo, hi = 0.0, 50.0 * sd
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if power_one_sided(mid, sd, n, alpha) < power:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def equivalence_margin_needed(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest margin that TOST shows with the given power when the true difference is 0 (bisection)."""
+    lo, hi = 0.0, 50.0 * sd
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if power_equivalence(0.0, sd, n, alpha, mid) < power:
+            lo = mid
+        else:
+            hi = mid
+    return hi

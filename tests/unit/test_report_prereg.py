@@ -155,7 +155,7 @@ CLAIM = {"id": "c1", "text": "a beats b", "test": "greater", "a": "a @ S1", "b":
 @pytest.mark.parametrize("bad, message", [
     ({"test": "bigger"}, "test='bigger': expected one of"),
     ({"a": "a S1"}, "expected 'method @ setting'"),
-    ({"margin": 0.05}, "only 'equivalent' claims take a margin"),
+    ({"margin": 0.05}, "only 'equivalent' and 'noninferior' claims take a margin"),
     ({"test": "equivalent"}, "needs a margin > 0"),
     ({"colour": 1}, "unknown key"),
     ({"text": ""}, "text is required"),
@@ -303,7 +303,7 @@ def test_block_has_paired_table_claims_and_diagnostics_and_old_summaries_load():
 
 # ------------------------------------------------------------------------------------------------ summaries
 def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
-    from stalerl.results.run_summary import DIAGNOSTIC_METRICS, downsample, summarize_metrics
+    from stalerl.results.run_summary import DIAGNOSTIC_METRICS, QUADRANT_DIAGNOSTICS, downsample, summarize_metrics
 
     rows = [{"step": 0, "eval/accuracy": 0.1}]
     for s in range(1, 241):
@@ -311,7 +311,9 @@ def test_summaries_keep_the_drift_diagnostics_with_their_spikes():
                      "actor/m2_all_tokens": 0.02, "actor/log_ratio_abs_max": 5.0 if s == 77 else 0.5,
                      "actor/ratio_max": 1.1, "actor/vanilla/clip_fraction": 0.01, "rollout/entropy": 1.5})
     out = summarize_metrics(rows)
-    assert set(out["diagnostics"]) == set(DIAGNOSTIC_METRICS) - {"actor/m2po/m2_after", "actor/m2po/masked_fraction"}
+    absent = {"actor/m2po/m2_after", "actor/m2po/masked_fraction", *QUADRANT_DIAGNOSTICS,
+              "actor/m2po_authors/clip_fraction", "actor/m2po_authors/m2_before", "actor/m2po_authors/log_ratio_bound"}
+    assert set(out["diagnostics"]) == set(DIAGNOSTIC_METRICS) - absent  # only what the run logged
     assert out["diagnostics"]["actor/log_ratio_abs_max"]["max"] == 5.0
     assert out["diagnostics"]["actor/m2po/m2_before"]["mean"] == pytest.approx(0.01 * 120.5)
     curve = out["curves"]["actor/log_ratio_abs_max"]
