@@ -189,3 +189,35 @@ def test_the_registered_studies_still_rerun_with_their_power_documented():
         lines = []
         check_power(load_spec(STUDY / f"{name}.yaml"), out=lines.append)
         assert any("underpowered, accepted: registered before power was checked" in x for x in lines)
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def _summary(loss, setting, seed, level, quadrants=None):
+    curve = [[s, level + s / 3000] for s in range(0, 301, 25)]
+    out = {"schema": 2, "run": f"{loss}-{setting}-{seed}", "status": "finished", "seed": seed, "loss": loss,
+           "setting": setting, "steps_planned": 300, "eval_every": 25, "curves": {"eval/accuracy": curve}}
+    if quadrants is not None:
+        out["diagnostics"] = {f"actor/m2po/{k}": {"mean": v, "max": v} for k, v in quadrants.items()}
+    return out
+
+
+def test_report_shows_the_sign_flip_column_noninferiority_and_quadrants_only_when_logged():
+    from stalerl.results.report import group, render_markdown
+
+    claims = {"baseline": "vanilla @ fixed_staleness 0", "list": [
+        {"id": "ni", "text": "m2po not worse", "test": "noninferior", "margin": 0.05, "metric": "auc",
+         "a": "m2po @ fixed_staleness 64", "b": "vanilla @ fixed_staleness 0"}]}
+    rng = random.Random(3)
+    old = [_summary("vanilla", "fixed_staleness 0", s, 0.4 + 0.01 * s) for s in range(1, 9)]
+    old += [_summary("m2po", "fixed_staleness 64", s, 0.4 + 0.01 * s + rng.uniform(-0.01, 0.01)) for s in range(1, 9)]
+    md = render_markdown(group(old), study="t", claims=claims)
+    assert "| claim | test | evidence | p | Holm p | sign-flip p (Holm) | verdict |" in md
+    assert "m2po @ fixed_staleness 64 not below vanilla @ fixed_staleness 0: eval-curve AUC by 0.05 or more" in md
+    assert "| 0.0039 (0.0039) | **holds** |" in md  # every seed inside the margin: the sign-flip floor at n = 8
+    assert "Removed tokens by trust-region quadrant" not in md  # summaries without the diagnostics: no table
+    q = {"num_masked_pos_r_gt_1": 1.0, "num_masked_neg_r_lt_1": 3.0, "masked_weight_share_pos_r_gt_1": 0.02,
+         "masked_weight_share_neg_r_lt_1": 0.001}
+    new = old[:8] + [_summary("m2po", "fixed_staleness 64", s, 0.4 + 0.01 * s, q) for s in range(1, 9)]
+    md = render_markdown(group(new), study="t", claims=claims)
+    assert "Removed tokens by trust-region quadrant" in md
+    assert "| fixed_staleness 64 | m2po | m2po masked | 1.00 ± 0.00 | 0.0200 ± 0.0000 | 3.00 ± 0.00 | 0.0010 ± 0.0000 |" in md
