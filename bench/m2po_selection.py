@@ -10,7 +10,9 @@ Compares, in one process and on the same tensors:
    (in-place ops, count_nonzero) as a stricter floor.
 
 It checks that (1) and (2) give the same mask, and prints median-of-k times and the ratios full_sort/ours and
-ours/floor. Targets: ours >= 5x faster than the full sort at 8M valid tokens, and within 3x of the floor.
+ours/floor. It also times the per-quadrant diagnostics (``recipe.m2po.quadrant_weights``, issue 30): they are not part
+of the selection (the loss computes them from its own ratio, the batch selector in one extra pass), and the line
+``ours + quadrant diagnostics`` shows the selection's ratio to the full sort if one counted them in. Targets: ours >= 5x faster than the full sort at 8M valid tokens, and within 3x of the floor.
 
     python bench/m2po_selection.py                  # 1M and 8M valid tokens, 2 threads
     python bench/m2po_selection.py --threads 8 --sizes 1000000 --repeats 9
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from recipe.m2po import select_m2po
+from recipe.m2po import quadrant_weights, select_m2po
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -135,13 +137,20 @@ def bench_size(num_valid: int, tau: float, repeats: int) -> dict:
     same = bool(torch.equal(ours_sel.keep_mask, full_keep))
     if not same:
         raise SystemExit(f"MISMATCH at {num_valid} tokens: ours and the full sort chose different masks")
+    d_valid = torch.where(mask, lp - old, torch.zeros(()))
+
+    def with_diagnostics():
+        sel = select_m2po(lp - old, adv, mask, tau)
+        return quadrant_weights(d_valid, adv, sel.trust_region, ~sel.keep_mask)
+
     t = timeit({
         "ours": lambda: select_m2po(lp - old, adv, mask, tau),
         "full": lambda: full_sort_select(lp - old, adv, mask, tau),
         "floor": lambda: floor_pass(lp, old, mask),
         "tuned": lambda: tuned_floor_pass(lp, old, mask),
+        "diag": with_diagnostics,
     }, repeats)
-    t_ours, t_full, t_floor, t_tuned = t["ours"], t["full"], t["floor"], t["tuned"]
+    t_ours, t_full, t_floor, t_tuned, t_diag = t["ours"], t["full"], t["floor"], t["tuned"], t["diag"]
     print(f"valid tokens {num_valid:>9,d} (rows {mask.shape[0]} x {mask.shape[1]}, padded {mask.numel():,d}): "
           f"|T| {ours_sel.num_trust_region:,d} ({ours_sel.num_trust_region / num_valid:.1%}), masked "
           f"{ours_sel.num_masked:,d} ({ours_sel.num_masked / num_valid:.3%}), m2_before {ours_sel.m2_before:.4f}, "
@@ -150,6 +159,7 @@ def bench_size(num_valid: int, tau: float, repeats: int) -> dict:
     print(f"  full sort prefix-mean   {t_full * 1e3:9.2f} ms")
     print(f"  floor (masked mean d^2) {t_floor * 1e3:9.2f} ms")
     print(f"  tuned floor (in-place)  {t_tuned * 1e3:9.2f} ms")
+    print(f"  ours + quadrant diagnostics {t_diag * 1e3:5.2f} ms (full_sort/that = {t_full / t_diag:.2f}x)")
     print(f"  full_sort/ours = {t_full / t_ours:.2f}x   ours/floor = {t_ours / t_floor:.2f}x   "
           f"ours/tuned floor = {t_ours / t_tuned:.2f}x")
     return {"n": num_valid, "ours": t_ours, "full": t_full, "floor": t_floor, "tuned": t_tuned}
