@@ -13,8 +13,16 @@ Measured on the shared 2-core machine (torch 2.13.0+cpu, load average 7-20 from 
 chunked 0.91 GiB peak RSS, train 63 s; plain 4.23 GiB, train 169 s (0.22x memory, 0.37x train time; 2
 micro-batches at the default 8,192 tokens). The issue measured 7.7 GB for the plain path on another day.
 
-    python bench/logprob_one_step.py                  # builds the assets into a temp dir
+The head part (``--part head``): the output head alone at the real shape of Qwen2.5-1.5B's head (hidden 1536,
+vocab 151,936), forward + backward of ``chunked_token_logprobs`` against the plain ``F.linear`` + ``log_softmax`` +
+gather, each variant in its own process at a small token count that fits in a few seconds on a CPU (the chunk is
+the device's default, :func:`stalerl.core.chunked_logprob.default_chunk_tokens`: 27 tokens on a CPU). Printed: the
+best of ``--repeats`` times and the peak RSS above the inputs (both variants allocate the 0.93 GB weight gradient),
+and their ratios against plain.
+
+    python bench/logprob_one_step.py                  # both parts; builds the assets into a temp dir
     python bench/logprob_one_step.py --assets DIR --only chunked
+    python bench/logprob_one_step.py --part head --tokens 512
 """
 
 from __future__ import annotations
@@ -65,12 +73,79 @@ def run(variant: str, assets: Path, work: Path, extra: list[str]) -> dict:
             "micro": step.get("actor/num_micro_batches")}
 
 
+# The head part's child: one variant's forward + backward at (tokens, hidden) x (vocab, hidden); prints JSON.
+HEAD_CHILD = r"""
+import json, resource, sys, time
+import torch
+from stalerl.core.chunked_logprob import chunked_token_logprobs, default_chunk_tokens
+variant, dtype = sys.argv[1], sys.argv[5]
+tokens, hidden, vocab, repeats, threads, chunk = map(int, sys.argv[2:5] + sys.argv[6:9])
+torch.set_num_threads(threads)
+g = torch.Generator().manual_seed(0)
+w = torch.empty(vocab, hidden).normal_(0.0, 0.02, generator=g).requires_grad_()  # in place: no freed temporary
+h = torch.empty(tokens, hidden).normal_(generator=g).requires_grad_()  # to hide the peak above the inputs
+ids = torch.randint(0, vocab, (tokens,), generator=g)
+go = torch.randn(tokens, generator=g)
+cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def plain():
+    logits = torch.nn.functional.linear(h, w)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+chunk = chunk or default_chunk_tokens(h.device, vocab)
+fn = plain if variant == "plain" else (lambda: chunked_token_logprobs(h, w, ids, chunk_tokens=chunk))
+times = []
+for _ in range(repeats):
+    h.grad = w.grad = None
+    start = time.perf_counter()
+    with cast:
+        lp = fn()
+    (lp * go).sum().backward()
+    times.append(time.perf_counter() - start)
+peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+print("HEAD_RESULT", json.dumps({"s": min(times), "peak": peak, "chunk": chunk}))
+"""
+
+
+def run_head(variant: str, tokens: int, hidden: int, vocab: int, dtype: str, repeats: int, threads: int,
+             chunk: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", HEAD_CHILD, variant, str(tokens), str(hidden), str(vocab), dtype,
+                          str(repeats), str(threads), str(chunk)], cwd=REPO, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"head {variant} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.rsplit("HEAD_RESULT", 1)[1])
+
+
+def head_part(args) -> None:
+    results = {v: run_head(v, args.tokens, 1536, 151_936, args.dtype, args.repeats, args.threads, args.chunk_tokens)
+               for v in ("chunked", "plain")}
+    c, p = results["chunked"], results["plain"]
+    print(f"output head alone, hidden 1536 x vocab 151,936, {args.tokens} tokens, {args.dtype}, forward + backward, "
+          f"{args.threads} thread(s), best of {args.repeats}; chunk {c['chunk']} tokens")
+    for v, r in results.items():
+        print(f"  {v:8s} time {r['s']:7.3f} s  peak RSS above inputs {r['peak'] / 2**30:5.2f} GiB")
+    print(f"  chunked/plain: time {c['s'] / p['s']:.2f}x, peak memory above inputs {c['peak'] / p['peak']:.2f}x")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["step", "head", "both"], default="both",
+                        help="step: one training step at hidden 64; head: the output head at hidden 1536")
     parser.add_argument("--assets", type=Path, help="a scripts/smoke_assets.py --size cpu output (built if absent)")
-    parser.add_argument("--only", choices=["chunked", "plain"], help="run one variant")
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
+    parser.add_argument("--only", choices=["chunked", "plain"], help="run one variant (step part)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens of the head part")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="head part's compute")
+    parser.add_argument("--repeats", type=int, default=3, help="head part: best of this many passes")
+    parser.add_argument("--threads", type=int, default=1, help="head part: torch threads")
+    parser.add_argument("--chunk-tokens", type=int, default=0, help="head part: tokens per chunk (0: the device's)")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs (step part)")
     args = parser.parse_args(argv)
+    if args.part in ("head", "both"):
+        head_part(args)
+    if args.part == "head":
+        return
     work = Path(tempfile.mkdtemp(prefix="stalerl-logprob-bench-"))
     assets = args.assets or work / "assets"
     if not (assets / "model" / "config.json").is_file():

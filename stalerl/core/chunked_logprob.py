@@ -6,8 +6,10 @@ log-sum-exp; the backward pass recomputes one chunk's logits at a time from the 
 fused linear-cross-entropy kernels do (Liger, Apple's cut-cross-entropy). The forward goes over chunks of tokens,
 the backward over blocks of the vocabulary (all tokens x one block: each block's weight gradient is then written
 once). Peak memory is tokens x hidden (the saved hidden states, which the model's own backward keeps anyway) plus
-one chunk's logits (:data:`CHUNK_ELEMENTS`), instead of the plain path's tokens x vocab logits, their fp32 copy and
-their gradient. The price is the logits matmul once more in the backward pass.
+one chunk's logits (sized by device: :func:`chunk_elements_for`), instead of the plain path's tokens x vocab
+logits, their fp32 copy and their gradient. The price is the logits matmul once more in the backward pass. Every op
+in either pass has a shape fixed by the input shapes (no boolean-mask indexing, no ``.item()``), so on CUDA neither
+pass waits for the device (tested under FakeTensorMode, which refuses data-dependent shapes).
 
 Numerics follow the plain computation ``token_logprobs(lm_head(h), ids, T)`` under the ambient autocast, step by
 step: the logits matmul runs in the autocast dtype (bf16 logits are rounded to bf16 as ``F.linear`` rounds them),
@@ -27,17 +29,54 @@ the head's weight for exactly that call) runs unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
 
-# Elements of one chunk's (tokens, vocab) logits: 2^22 float32 = 16 MiB per temporary (a chunk holds a few), about
-# 27 tokens at Qwen2's 151,936 vocabulary. bench/logprob_memory.py measures other sizes.
+# Elements of one chunk's (tokens, vocab) logits on a CPU: 2^22 float32 = 16 MiB per temporary (a chunk holds a
+# few), about 27 tokens at Qwen2's 151,936 vocabulary; small enough to stay near the caches, and the per-chunk matmul
+# is already compute-bound at hidden 64 (bench/logprob_memory.py measures other sizes).
 CHUNK_ELEMENTS = 1 << 22
+# On CUDA each chunk is one (tokens x hidden) x (hidden x vocab) GEMM that streams the whole head weight from HBM, so
+# few tokens per chunk make it bandwidth-bound (27 tokens: ~4,900 weight reads per pass of 131k tokens). The budget
+# there is a fraction of the device's memory per float32 temporary (a chunk holds about three: compute-dtype logits,
+# their float32 copy, the exp / gradient), capped where the GEMM is long compute-bound: 2^28 elements = 1 GiB per
+# temporary, 1,766 tokens at vocab 151,936 (a 466 MB bf16 weight read per 1,766 tokens). 80-141 GB GPUs reach the
+# cap (~3 GiB of temporaries); a 24 GiB GPU gets 101M elements (662 tokens), a 40 GiB one 1,104 tokens.
+CUDA_MEMORY_FRACTION_PER_TEMPORARY = 1 / 64
+CUDA_CHUNK_ELEMENTS_MAX = 1 << 28
+
+
+def chunk_elements_for(device_type: str, total_memory_bytes: Optional[int] = None) -> int:
+    """Elements of one chunk's logits on a device: :data:`CHUNK_ELEMENTS` on a CPU (and any device other than
+    CUDA); on CUDA ``total_memory_bytes * CUDA_MEMORY_FRACTION_PER_TEMPORARY / 4`` capped at
+    :data:`CUDA_CHUNK_ELEMENTS_MAX` and never below the CPU size. A pure function of its arguments (tested without
+    a GPU); :func:`default_chunk_tokens` asks the device for its memory."""
+    if device_type != "cuda":
+        return CHUNK_ELEMENTS
+    if not total_memory_bytes or total_memory_bytes <= 0:
+        raise ValueError(f"chunk size on cuda needs the device's total memory in bytes, got {total_memory_bytes!r}")
+    by_memory = int(total_memory_bytes * CUDA_MEMORY_FRACTION_PER_TEMPORARY) // 4
+    return max(CHUNK_ELEMENTS, min(CUDA_CHUNK_ELEMENTS_MAX, by_memory))
 
 
 def chunk_tokens_for(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, chunk_elements // max(1, vocab))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_total_memory(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def default_chunk_tokens(device: torch.device, vocab: int) -> int:
+    """Tokens per chunk for hidden states on ``device`` at this vocabulary (:func:`chunk_elements_for`)."""
+    device = torch.device(device)
+    memory = None
+    if device.type == "cuda":
+        memory = _cuda_total_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return chunk_tokens_for(vocab, chunk_elements_for(device.type, memory))
 
 
 def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -82,7 +121,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         g = grad_out.float()
-        rows = torch.arange(m, device=hidden.device)
+        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(cd)
             for j in range(0, vocab, block):
@@ -90,8 +129,14 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 x = _chunk_logits(h, w, cd, t)
                 # d logp / d x = onehot(id) - softmax(x); then through x = logits / t.
                 grad_x = torch.exp(x - lse.unsqueeze(-1)).mul_(-g.unsqueeze(-1))
-                hit = (ids >= j) & (ids < j + block)
-                grad_x.index_put_((rows[hit], ids[hit] - j), g[hit], accumulate=True)
+                # The one-hot term without a host sync: every row adds g (its target is in this block) or 0.0
+                # (elsewhere) at a clamped in-block column. Fixed shapes, so no boolean-mask indexing (nonzero),
+                # which would wait for the device once per block. Adding 0.0 leaves a value unchanged, and a
+                # target's own element gets the same single addition as before, so the result is the same.
+                local = ids - j
+                inside = (local >= 0) & (local < w.shape[0])
+                grad_x.scatter_add_(1, local.clamp(0, w.shape[0] - 1).unsqueeze(-1),
+                                    torch.where(inside, g, zero).unsqueeze(-1))
                 if t != 1.0:
                     grad_x.div_(t)
                 # The plain path's gradient reaches the compute-dtype logits through their float32 cast: cast back.
@@ -115,7 +160,8 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, compute_dtype: torch.dtype, 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                            chunk_tokens: Optional[int] = None) -> torch.Tensor:
     """``log softmax((hidden @ weight.T) / temperature)[ids]`` in float32, shape ``ids.shape``, computed
-    ``chunk_tokens`` tokens at a time (default: :data:`CHUNK_ELEMENTS` logits per chunk) in the ambient autocast
+    ``chunk_tokens`` tokens at a time (default: :func:`default_chunk_tokens` for the device, :data:`CHUNK_ELEMENTS`
+    logits per chunk on a CPU) in the ambient autocast
     dtype, with the chunks' logits recomputed in backward. ``hidden``: ``(*ids.shape, H)``; ``weight``: ``(V, H)``
     (a bias-free output embedding)."""
     if hidden.shape[:-1] != ids.shape:
@@ -126,7 +172,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torc
                          f"states of size {hidden.shape[-1]}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    chunk = chunk_tokens or default_chunk_tokens(hidden.device, weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat_h = hidden.reshape(-1, hidden.shape[-1])

@@ -198,7 +198,9 @@ class MetricsLogger:
 # so besides these exact keys, lookup_metric also accepts a unique key ending in "/<candidate>".
 DEFAULT_PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
     "reward": ("reward", "reward/mean", "critic/rewards/mean", "critic/score/mean"),
-    "acc": ("acc", "accuracy", "eval/acc", "eval/accuracy"),
+    # held-out greedy accuracy only: the trainer's batch "accuracy" (samples with reward 1) is the batch reward
+    # again for 0/1 rewards, and an "acc=" fed by it read as accuracy (issue 28)
+    "eval_acc": ("eval/acc", "eval/accuracy"),
     "loss": ("loss", "actor/pg_loss", "actor/loss", "pg_loss"),
     "gnorm": ("grad_norm", "actor/grad_norm"),
     "stale": ("staleness", "staleness/mean", "staleness_mean"),
@@ -269,7 +271,7 @@ class Progress:
     On an interactive terminal (:func:`is_interactive`) it is a live bar (tqdm when installed). Anywhere else -- a
     file, a pipe, a CI log -- a bar would write hundreds of carriage-return frames that bury the step lines, so it
     prints a plain line every ~10% of the steps (``PLAIN_LINES`` lines per run) and at the last step, e.g.
-    ``train: 30/300 steps (10%) | 12.3s elapsed, ~1.8m left | reward=0.41 acc=0.5 loss=-0.01``.
+    ``train: 30/300 steps (10%) | 12.3s elapsed, ~1.8m left | reward=0.41 eval_acc=0.5 loss=-0.01``.
 
     ``update(step, metrics)`` moves to ``step`` (absolute, so resuming mid-run just works) and shows reward,
     accuracy, loss, grad norm, staleness and masked fraction when present (see :data:`DEFAULT_PROGRESS_KEYS`); each

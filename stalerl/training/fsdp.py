@@ -19,6 +19,10 @@ inputs are left for autocast to cast as in the plain engine, and its bf16 weight
 bf16 matmuls produce before the cast back to fp32) are reduce-scattered in fp32. The rest of each layer (norms) and
 the root (embeddings, tied head, final norm) keep fp32 groups. So values and gradients are the plain engine's,
 operation for operation; only the order of the fp32 gradient sums over ranks differs (tests/unit/test_fsdp.py).
+That equality is per update, from the same weights (within 1e-5 of the update, on any instruction set): over
+several bf16 updates the engines drift apart at the bf16 noise floor, since a weight an fp32 ulp apart after one
+update can be cast to a neighbouring bf16 value in the next (a few 1e-4 to 2e-3 of the update after two; the test
+states how much and why).
 All-gather bytes per full unshard (:func:`all_gather_bytes`), Qwen2.5-1.5B (1.54B parameters, 233M of them the tied
 embedding): 3.55 GB, against 6.17 GB for fp32 everywhere and 3.09 GB for the bf16-everywhere policy (+15%); the
 gradient reduce-scatters are fp32 in every case. Each layer then issues three all-gathers (norms, attention, MLP)

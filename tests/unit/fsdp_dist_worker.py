@@ -166,11 +166,15 @@ def setup_on_policy_bf16():
     return model, batch, adv
 
 
-def bf16_steps(actor, batch, adv, sizes=None) -> dict:
-    """On-policy log-probs (no grad), then two updates; the weights after each (full state: collective)."""
+def bf16_steps(actor, batch, adv, sizes=None, between=None) -> dict:
+    """On-policy log-probs (no grad), then two updates; the weights after each (full state: collective).
+    ``between(model)``, if given, edits the weights after the first update is recorded (SGD keeps no other state)."""
     logp = actor.compute_logp(batch)
     metrics = [actor.update(batch, adv, minibatch_sizes=sizes)]
     weights_1 = copy.deepcopy(actor.full_model_state())
+    if between is not None:
+        with torch.no_grad():
+            between(actor.model)
     metrics.append(actor.update(batch, adv, minibatch_sizes=sizes))
     return {"logp": logp, "metrics": metrics, "weights_1": weights_1,
             "weights_2": copy.deepcopy(actor.full_model_state())}
@@ -228,12 +232,23 @@ def _shard_everything(model, world, policy):
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def reference_bf16(dtype: str = "bfloat16") -> dict:
-    """torch:d1 in this process on the same on-policy batch (``dtype`` float32: the same run in fp32 compute)."""
+def reference_bf16(dtype: str = "bfloat16", second_update_from: dict | None = None, nudge_ulp: bool = False) -> dict:
+    """torch:d1 in this process on the same on-policy batch (``dtype`` float32: the same run in fp32 compute).
+    ``second_update_from``: full weights loaded before the second update (another engine's weights_1), so the two
+    engines' second updates start from the same weights; ``nudge_ulp``: every weight moved by one float32 ulp (up)
+    before the second update."""
     cfg = load_config([*BF16_OVERRIDES, f"actor.dtype={dtype}", "actor.mb_spec.max_tokens_per_mb=60"]).actor
     model, batch, adv = setup_on_policy_bf16()
     actor = Actor(model, cfg, temperature=1.0, total_updates=4)
     start = copy.deepcopy(actor.full_model_state())
-    out = bf16_steps(actor, batch, adv)
+
+    def between(m):
+        if second_update_from is not None:
+            m.load_state_dict(second_update_from)
+        if nudge_ulp:
+            for p in m.parameters():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+
+    out = bf16_steps(actor, batch, adv, between=between if second_update_from is not None or nudge_ulp else None)
     out.update(batch=batch, weights_0=start)
     return out

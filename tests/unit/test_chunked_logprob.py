@@ -182,3 +182,122 @@ def test_models_that_post_process_logits_keep_the_plain_path():
         with head_returns_token_logprobs(model, torch.zeros(1, 1, dtype=torch.long), slice(0, 1)):
             raise RuntimeError
     assert "forward" not in vars(model.lm_head)
+
+
+# ------------------------------------------------------------------------------------ chunk size by device, no sync
+def test_chunk_size_follows_the_device_rule():
+    """CPU: today's 2^22 logits per chunk (27 tokens at Qwen2's vocabulary), whatever the memory; CUDA: a fraction
+    of the device's memory, capped at 2^28 elements (1,766 tokens at 151,936), never below the CPU size. The CUDA
+    branch is the pure rule with a given memory (no GPU here); default_chunk_tokens asks the device for it."""
+    from stalerl.core import chunked_logprob as cl
+
+    vocab = 151_936
+    assert cl.chunk_elements_for("cpu") == cl.CHUNK_ELEMENTS == 1 << 22
+    assert cl.chunk_elements_for("cpu", 141 * 2**30) == 1 << 22
+    assert cl.chunk_tokens_for(vocab, cl.chunk_elements_for("cpu")) == 27
+    assert cl.default_chunk_tokens(torch.device("cpu"), vocab) == 27
+    h200, h100, a100_40, card_24 = 141 * 10**9, 80 * 2**30, 40 * 2**30, 24 * 2**30
+    assert cl.chunk_tokens_for(vocab, cl.chunk_elements_for("cuda", h200)) == (1 << 28) // vocab == 1766
+    assert cl.chunk_tokens_for(vocab, cl.chunk_elements_for("cuda", h100)) == 1766
+    assert cl.chunk_tokens_for(vocab, cl.chunk_elements_for("cuda", a100_40)) == (40 * 2**30 // 256) // vocab == 1104
+    assert cl.chunk_tokens_for(vocab, cl.chunk_elements_for("cuda", card_24)) == 662
+    assert cl.chunk_elements_for("cuda", 2**20) == cl.CHUNK_ELEMENTS  # a tiny device never goes below the CPU size
+    with pytest.raises(ValueError, match="total memory"):
+        cl.chunk_elements_for("cuda", None)
+
+
+def test_cpu_default_chunk_is_unchanged(monkeypatch):
+    """chunked_token_logprobs on CPU tensors runs with today's chunk (what CPU training used before sizing by
+    device), and default_chunk_tokens asks a CUDA device for its memory (stubbed: no GPU here)."""
+    from stalerl.core import chunked_logprob as cl
+
+    seen = []
+    real = cl._ChunkedTokenLogprob.apply
+    monkeypatch.setattr(cl._ChunkedTokenLogprob, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    h, w, ids, _ = _inputs(5, vocab=5000)
+    cl.chunked_token_logprobs(h, w, ids)
+    assert seen == [cl.CHUNK_ELEMENTS // 5000]
+    monkeypatch.setattr(cl, "_cuda_total_memory", lambda index: 80 * 2**30)
+    assert cl.default_chunk_tokens(torch.device("cuda:0"), 151_936) == 1766
+
+
+def _fake_pass(fn):
+    """Forward and backward of ``fn(h, w, ids)`` on fake tensors: FakeTensorMode computes only shapes, so an op whose
+    output shape depends on tensor values (nonzero behind boolean-mask indexing, masked_select, .item()) raises
+    there. On CUDA exactly those ops make the host wait for the device; the test runs the same code on CPU fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        h = torch.randn(6, 5, 8, requires_grad=True)
+        w = torch.randn(300, 8, requires_grad=True)
+        ids = torch.randint(0, 300, (6, 5))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = fn(h, w, ids)
+        (lp * 1.5).sum().backward()
+        return tuple(h.grad.shape), tuple(w.grad.shape)
+
+
+def test_forward_and_backward_have_no_data_dependent_shapes():
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    assert _fake_pass(lambda h, w, ids: chunked_token_logprobs(h, w, ids, 0.7, 4)) == ((6, 5, 8), (300, 8))
+
+    def boolean_mask_onehot(h, w, ids):  # the check can fail: the previous backward's rows[hit] / ids[hit]
+        lp = chunked_token_logprobs(h, w, ids, 1.0, 4)
+        hit = ids.reshape(-1) < 100
+        return lp.reshape(-1)[torch.arange(30)[hit]]
+
+    with pytest.raises(DynamicOutputShapeException):
+        _fake_pass(boolean_mask_onehot)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_hot_term_is_the_index_put_it_replaced(dtype):
+    """The scatter_add one-hot gives bit for bit the previous boolean-mask index_put (kept here as the literal
+    reference), so CPU training does not change: gradients compared exactly, with a block boundary inside the
+    vocabulary and targets at both ends of blocks."""
+    from stalerl.core import chunked_logprob as cl
+
+    h, w, ids, go = _inputs(7, n=4, t=9, vocab=97)
+    ids[0, :4] = torch.tensor([0, 96, 31, 32])
+
+    def index_put_backward(ctx, grad_out):  # the code before sizing by device, verbatim
+        hidden, weight, ids_, lse = ctx.saved_tensors
+        cd, t = ctx.compute_dtype, ctx.temperature
+        m, vocab = hidden.shape[0], weight.shape[0]
+        block = max(1, (ctx.chunk * vocab) // max(1, m))
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32)
+        grad_w = torch.empty_like(weight)
+        g = grad_out.float()
+        rows = torch.arange(m)
+        with torch.autocast("cpu", enabled=False):
+            hh = hidden.to(cd)
+            for j in range(0, vocab, block):
+                ww = weight[j:j + block].to(cd)
+                x = cl._chunk_logits(hh, ww, cd, t)
+                grad_x = torch.exp(x - lse.unsqueeze(-1)).mul_(-g.unsqueeze(-1))
+                hit = (ids_ >= j) & (ids_ < j + block)
+                grad_x.index_put_((rows[hit], ids_[hit] - j), g[hit], accumulate=True)
+                if t != 1.0:
+                    grad_x.div_(t)
+                grad_logits = grad_x.to(cd)
+                grad_w[j:j + block] = (grad_logits.t() @ hh).to(weight.dtype)
+                if cd == torch.float32:
+                    grad_h.addmm_(grad_logits, ww)
+                else:
+                    grad_h.add_(grad_logits @ ww)
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None
+
+    new = _run(lambda a, b: chunked_token_logprobs(a, b, ids, 0.7, 3), h, w, ids, go, dtype)
+
+    class Old(cl._ChunkedTokenLogprob):
+        backward = staticmethod(index_put_backward)
+
+    def old_fn(a, b):
+        cd = cl._compute_dtype(a.device, torch.float32)
+        return Old.apply(a.reshape(-1, a.shape[-1]), b, ids.reshape(-1), 0.7, cd, 3).view(ids.shape)
+
+    old = _run(old_fn, h, w, ids, go, dtype)
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+    assert float(new[2].abs().max()) > 0.1

@@ -135,6 +135,14 @@ def _update_difference(got: dict, ref: dict, key: str) -> float:
     return (num / den) ** 0.5
 
 
+def _second_update_difference(got: dict, restart: dict) -> float:
+    """|| weights_2(got) - weights_2(restart) || / || weights_2(restart) - weights_1(got) ||: two second updates
+    that started from the same weights (``restart`` loaded ``got``'s weights_1 before its second update)."""
+    num = sum(float(((got["weights_2"][n] - restart["weights_2"][n]).double() ** 2).sum()) for n in restart["weights_2"])
+    den = sum(float(((restart["weights_2"][n] - got["weights_1"][n]).double() ** 2).sum()) for n in restart["weights_2"])
+    return (num / den) ** 0.5
+
+
 # Tolerances. The three engines run the same bf16 operations on the same fp32 master weights (fsdp: linear groups
 # all-gathered in bf16 = autocast's cast; norms, embeddings, residual stream fp32), so the on-policy log-probs agree
 # to float rounding of the statistics (1e-6) and the gradients differ only in the order of the fp32 sums over ranks
@@ -142,8 +150,24 @@ def _update_difference(got: dict, ref: dict, key: str) -> float:
 # i.e. <= 5e-7 of the update; UPDATE_TOL leaves 20x margin. A computation that differs in one bf16 rounding per op
 # in the residual stream is far outside it: bf16 vs fp32 compute differ by ~7e-3 of the update here, and the old
 # all-parameters-bf16 FSDP policy (checked below) by ~9e-3.
+#
+# That claim is per update, from the same weights: UPDATE_TOL applies to the first update (all engines start from
+# the same weights) and to the second update restarted from the engine's own weights_1. It does not hold for the
+# trajectory (weights_2 against the reference's weights_2), on any instruction set: the first updates differ by
+# fp32 rounding of those sums (here 16-34 of 558,464 weights by one ulp), and a bf16 step amplifies weight
+# differences of one ulp: a weight or activation near a bf16 rounding boundary is cast to the neighbouring bf16
+# value (2^-8 away), and everything downstream follows. Measured here (AMD EPYC, AVX2): every weight moved up by
+# one fp32 ulp before the second update moves weights_2 by 2.4e-3 of the two updates (1.7e-3 for random up/down;
+# 1% of the weights at random: 1.3e-5), and a bf16 GEMM with another, equally valid, fp32 accumulation order (an
+# emulation of a kernel chosen by ISA or shape) changes the first update itself by 1.5e-3. So how far the two
+# trajectories drift depends on how many weights the first update left an ulp apart, which depends on the kernels:
+# 1.8e-7 here, 5.7e-4 on an AVX512-BF16 Xeon (issue 28; its first update still agreed within UPDATE_TOL).
+# TRAJECTORY_TOL bounds that drift (the one-ulp-everywhere case with 1.7x margin). It is a sanity bound, not a
+# test of "the same computation": that drift is the bf16 noise floor, and fp32 compute is only 5.2e-3 away from
+# bf16 here; the discriminating checks are the per-update ones at UPDATE_TOL.
 STATS_TOL = 1e-6
 UPDATE_TOL = 1e-5
+TRAJECTORY_TOL = 4e-3
 
 
 def test_bf16_fsdp_d2_torch_d2_and_torch_d1_compute_the_same(tmp_path):
@@ -157,9 +181,12 @@ def test_bf16_fsdp_d2_torch_d2_and_torch_d1_compute_the_same(tmp_path):
         got = _spawn_bf16(engine, tmp_path, rows)
         torch.testing.assert_close(got["logp"], ref["logp"], rtol=0, atol=STATS_TOL)
         torch.testing.assert_close(_log_ratio_stats(got["logp"], ref["batch"]), ref_stats, rtol=0, atol=STATS_TOL)
-        for key in ("weights_1", "weights_2"):
-            assert _update_difference(got, ref, key) < UPDATE_TOL, (engine, key, _update_difference(got, ref, key))
-        for mine, theirs in zip(got["metrics"], ref["metrics"]):
+        assert _update_difference(got, ref, "weights_1") < UPDATE_TOL, (engine, _update_difference(got, ref, "weights_1"))
+        restart = fsdp_dist_worker.reference_bf16(second_update_from=got["weights_1"])
+        second = _second_update_difference(got, restart)
+        assert second < UPDATE_TOL, (engine, "second update from the same weights", second)
+        assert _update_difference(got, ref, "weights_2") < TRAJECTORY_TOL, (engine, _update_difference(got, ref, "weights_2"))
+        for mine, theirs in ((got["metrics"][0], ref["metrics"][0]), (got["metrics"][1], restart["metrics"][1])):
             for k in ("actor/loss", "actor/grad_norm"):
                 assert mine[k] == pytest.approx(theirs[k], rel=1e-5), (engine, k)
         if engine == "fsdp":  # what the sharded forward saw: bf16 projections, fp32 norms, embeddings and head
@@ -174,6 +201,17 @@ def test_bf16_fsdp_d2_torch_d2_and_torch_d1_compute_the_same(tmp_path):
     old = _spawn_bf16("fsdp-bf16-params", tmp_path, rows)
     assert float((old["logp"] - ref["logp"]).abs().max()) > 100 * STATS_TOL
     assert _update_difference(old, ref, "weights_1") > 100 * UPDATE_TOL
+
+
+def test_bf16_second_update_amplifies_one_ulp_weight_differences():
+    """The mechanism behind TRAJECTORY_TOL: one float32 ulp on every weight before the second bf16 update moves the
+    trajectory far beyond UPDATE_TOL (so no engine can promise trajectory equality at UPDATE_TOL on every ISA), and
+    stays within TRAJECTORY_TOL."""
+    ref = fsdp_dist_worker.reference_bf16()
+    nudged = fsdp_dist_worker.reference_bf16(nudge_ulp=True)
+    assert _update_difference(nudged, ref, "weights_1") == 0  # the same first update
+    drift = _update_difference(nudged, ref, "weights_2")
+    assert 10 * UPDATE_TOL < drift < TRAJECTORY_TOL, drift
 
 
 def test_linear_groups_and_all_gather_bytes_of_a_qwen2_5_1_5b_layout():

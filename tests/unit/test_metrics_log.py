@@ -135,7 +135,7 @@ def test_progress_bar_shows_key_numbers_and_tracks_absolute_steps():
     assert bar._bar.n == 12
     bar.update(15, {"reward": 0.75})
     assert bar._bar.n == 15
-    assert bar.postfix({"eval/acc": 0.9, "actor/pg_loss": -0.1}) == {"acc": "0.9", "loss": "-0.1"}
+    assert bar.postfix({"eval/acc": 0.9, "actor/pg_loss": -0.1}) == {"eval_acc": "0.9", "loss": "-0.1"}
     bar.close()
     final = buf.getvalue().rstrip("\n").split("\r")[-1]  # what the bar shows last
     # reward was updated; the other numbers are kept from the earlier step
@@ -183,7 +183,7 @@ def test_plain_progress_prints_a_line_every_tenth_and_at_the_end_without_carriag
     # every ceil(95 / 10) = 10 steps, and the last step, each exactly once
     assert [int(line.split()[1].split("/")[0]) for line in lines] == [10, 20, 30, 40, 50, 60, 70, 80, 90, 95]
     assert lines[0].startswith("train: 10/95 steps (11%) | ") and "elapsed, ~" in lines[0] and "reward=0.1" in lines[0]
-    assert "acc=0.5" in lines[2]  # sticky: shown since step 20's eval, although step 30 had no eval metrics
+    assert "eval_acc=0.5" in lines[2]  # sticky: shown since step 20's eval, although step 30 had no eval metrics
     assert lines[-1].startswith("train: 95/95 steps (100%) | ") and "left" not in lines[-1]
 
 
