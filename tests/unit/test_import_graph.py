@@ -124,7 +124,7 @@ ALLOWED = {
     "stalerl.core": set(),
     "stalerl.config": {"stalerl.core", "recipe"},
     "stalerl.data": {"stalerl.core"},
-    "stalerl.rollout": {"stalerl.core"},
+    "stalerl.rollout": {"stalerl.core", "recipe"},  # recipe.versions: the vLLM version guard
     "stalerl.results": {"stalerl.core", "stalerl.config"},
     "stalerl.schedulers": {"stalerl.core", "stalerl.config"},
     "stalerl.training": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
