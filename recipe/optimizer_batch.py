@@ -69,7 +69,8 @@ class OptimizerBatchPlan:
     num_tokens: int  # valid tokens of the whole step, all ranks
     dp_size: int
     extras: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per micro-batch: loss keyword tensors
-    selection: Any = None  # the selector's diagnostics (M2PO: recipe.m2po.M2POSelection; FIPO: RowDrops), if any
+    selection: Any = None  # the batch selector's diagnostics (M2PO: recipe.m2po.M2POSelection), if any
+    row_drops: Optional["RowDrops"] = None  # a row selector's step-wide counts (FIPO's sequence drop), if any
 
     def config_for(self, config: Any) -> dict[str, Any]:
         """``config`` (dict, dataclass, DictConfig or None) as a dict with the step's ``global_batch_info``."""
@@ -153,7 +154,7 @@ def plan_optimizer_batch(loss_name: str, micro_batches: Sequence[MicroBatch], co
     if rows_selected is not None:
         for extras, k in zip(plan.extras, kept):
             extras["row_keep_mask"] = k
-        plan.selection = RowDrops(loss_name=loss_name, num_rows=local[2], num_dropped_rows=local[3],
+        plan.row_drops = RowDrops(loss_name=loss_name, num_rows=local[2], num_dropped_rows=local[3],
                                   num_valid_tokens=local[1], num_kept_tokens=local[0])
         return plan
 

@@ -58,7 +58,7 @@ def run_rank(rank: int, world: int, out_dir: str) -> None:
                       response_mask=mb.response_mask, loss_agg_mode="token-mean", config=plan.config_for(CFG),
                       **extras)[0] for mb, extras in zip(mbs, plan.extras))
         torch.save({"loss": loss.detach(), "num_tokens": plan.num_tokens,
-                    "dropped": plan.selection.num_dropped_rows}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "dropped": plan.row_drops.num_dropped_rows}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

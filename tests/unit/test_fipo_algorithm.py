@@ -406,7 +406,7 @@ def test_planned_row_splits_are_the_reference_objective_where_a_row_drops():
         lp = new.clone().requires_grad_(True)
         mbs = [MicroBatch(old[r, :w], lp[r, :w].detach(), adv[r, :w], mask[r, :w]) for r, w in zip(split, widths)]
         plan = plan_optimizer_batch("fipo", mbs, {})
-        assert plan.num_tokens == n_valid - 25 and plan.selection.num_dropped_rows == 1
+        assert plan.num_tokens == n_valid - 25 and plan.row_drops.num_dropped_rows == 1
         total = 0.0
         for rows, w, extras in zip(split, widths, plan.extras):
             loss, _ = compute_policy_loss_fipo(old[rows, :w], lp[rows, :w], adv[rows, :w], mask[rows, :w],

@@ -152,8 +152,9 @@ def test_issue_27_example_one_dropped_row_of_four_split_equals_fipo_alone() -> N
     assert alone.item() == pytest.approx(_literal_fipo(whole), rel=1e-6)
     mbs = _group(rows, 2)
     plan = plan_optimizer_batch("fipo", mbs, FIPO_CFG)
-    assert plan.num_tokens == 30 and plan.selection.num_valid_tokens == 40
-    assert plan.selection.metrics()["fipo/sequence_drop_ratio"] == 0.25
+    assert plan.num_tokens == 30 and plan.row_drops.num_valid_tokens == 40
+    assert plan.selection is None  # callers that read `selection` as M2PO's see nothing new
+    assert plan.row_drops.metrics()["fipo/sequence_drop_ratio"] == 0.25
     split = sum(fn(old_log_prob=mb.old_log_prob, log_prob=mb.log_prob, advantages=mb.advantages,
                    response_mask=mb.response_mask, loss_agg_mode="token-mean", config=plan.config_for(FIPO_CFG),
                    **extras)[0] for mb, extras in zip(mbs, plan.extras))
@@ -182,7 +183,7 @@ def test_fipo_split_step_is_the_literal_reference_whenever_rows_drop(seed: int) 
     for per_mb in (1, 2, 5, 12):
         mbs = _group(rows, per_mb)
         plan = plan_optimizer_batch("fipo", mbs, FIPO_CFG)
-        assert plan.selection.num_dropped_rows == round(metrics["fipo/sequence_drop_ratio"] * 12)
+        assert plan.row_drops.num_dropped_rows == round(metrics["fipo/sequence_drop_ratio"] * 12)
         total, grads = 0.0, []
         for mb, extras in zip(mbs, plan.extras):
             lp = mb.log_prob.clone().requires_grad_(True)
@@ -210,8 +211,8 @@ def test_fipo_plan_on_packed_micro_batches_with_cu_seqlens_drops_the_same_rows()
                                  torch.ones(int(lengths.sum()), dtype=torch.bool), cu_seqlens=cu))
     plan_padded = plan_optimizer_batch("fipo", padded, FIPO_CFG)
     plan_packed = plan_optimizer_batch("fipo", packed, FIPO_CFG)
-    assert plan_padded.selection.num_dropped_rows > 0
-    assert plan_packed.selection == plan_padded.selection and plan_packed.num_tokens == plan_padded.num_tokens
+    assert plan_padded.row_drops.num_dropped_rows > 0
+    assert plan_packed.row_drops == plan_padded.row_drops and plan_packed.num_tokens == plan_padded.num_tokens
     for ep, ed, mb in zip(plan_packed.extras, plan_padded.extras, padded):
         assert ep["row_keep_mask"].shape == (int(mb.response_mask.sum()),)
         assert torch.equal(ep["row_keep_mask"], ed["row_keep_mask"][mb.response_mask])
