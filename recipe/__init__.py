@@ -4,8 +4,7 @@
   ``recipe.baselines`` ``vanilla`` (PPO clip) and ``no_trust_region``, ``recipe.fipo`` ``fipo``.
 - ``recipe/<framework>/``: one training framework's integration (``recipe/verl/``: the verl plugin, config classes
   and packaged Hydra configs). It imports only torch, ``recipe`` and its framework (lazily, with an error naming the
-  extra to install), never the ``stalerl`` runtime. ``recipe.m2po.verl`` is the verl adapter's old path, kept for
-  configs and installs that name it.
+  extra to install), never the ``stalerl`` runtime.
 - Shared by both: ``recipe.registry`` (the losses by name), ``recipe.common`` (helpers of the losses) and
   ``recipe.optimizer_batch`` (one selection and token count per optimizer step across micro-batches).
 """

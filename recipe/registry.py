@@ -13,6 +13,13 @@ Some losses make a decision over a whole optimizer mini-batch (M2PO's token sele
 ``batch_selector`` beside it: ``selector(old_log_prob, log_prob, advantages, response_mask, config=..., group=None)``
 returns a dict of extra keyword tensors (same shape as the inputs) that the runtime slices per micro-batch and passes
 back to the loss. Callers that never use the selector (verl) still get a correct loss, selected per call.
+
+A loss whose decision is per row (FIPO's sequence drop; rows never span micro-batches) registers a ``row_selector``
+instead: ``selector(old_log_prob, log_prob, advantages, response_mask, config=..., cu_seqlens=None)`` on *one*
+micro-batch (``(B, T)`` rows, or packed tokens with their ``cu_seqlens``) returns ``{"row_keep_mask": <the input's
+shape>, "num_rows": int, "num_dropped_rows": int}``; ``recipe.optimizer_batch.plan_optimizer_batch`` calls it per
+micro-batch, passes ``row_keep_mask`` back to the loss and counts only the kept tokens in the step's denominator.
+Either kind needs the step's current log-probs before the first micro-batch's loss: :func:`needs_step_log_probs`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Callable, Optional
 
 PolicyLossFn = Callable[..., "tuple[Any, dict[str, float]]"]
 BatchSelector = Callable[..., "dict[str, Any]"]
+RowSelector = Callable[..., "dict[str, Any]"]
 
 # Modules that register the built-in losses. Imported lazily on first lookup so that
 # `import recipe.registry` stays import-cycle free (the recipes import this module).
@@ -45,17 +53,22 @@ class PolicyLossSpec:
     name: str
     fn: PolicyLossFn
     batch_selector: Optional[BatchSelector] = None
+    row_selector: Optional[RowSelector] = None
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
 
 
-def register_policy_loss(name: str, *, batch_selector: Optional[BatchSelector] = None):
+def register_policy_loss(name: str, *, batch_selector: Optional[BatchSelector] = None,
+                         row_selector: Optional[RowSelector] = None):
     """Decorator: register ``fn`` under ``name``. Registering a different function under a taken name is an error
     (verl's registry silently overwrites, which hides plugin clashes)."""
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
+    if batch_selector is not None and row_selector is not None:
+        raise ValueError(f"policy loss {name!r}: give a batch_selector (one decision over the whole step) or a "
+                         "row_selector (one per row), not both")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = _REGISTRY.get(name)
@@ -64,7 +77,7 @@ def register_policy_loss(name: str, *, batch_selector: Optional[BatchSelector] =
                 f"policy loss {name!r} is already registered by {_qualname(existing.fn)}; "
                 f"refusing to replace it with {_qualname(fn)}. Pick another name."
             )
-        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, batch_selector=batch_selector)
+        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, batch_selector=batch_selector, row_selector=row_selector)
         return fn
 
     return decorator
@@ -110,3 +123,15 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
 def get_batch_selector(name: str) -> Optional[BatchSelector]:
     """The mini-batch selector registered with loss ``name``, or None if the loss needs none."""
     return get_policy_loss_spec(name).batch_selector
+
+
+def get_row_selector(name: str) -> Optional[RowSelector]:
+    """The per-row selector registered with loss ``name`` (FIPO's sequence drop), or None."""
+    return get_policy_loss_spec(name).row_selector
+
+
+def needs_step_log_probs(name: str) -> bool:
+    """Whether planning a split step of loss ``name`` needs every micro-batch's current log-probs (a batch or a row
+    selector decides from them); otherwise the plan needs only the masks (the token count)."""
+    spec = get_policy_loss_spec(name)
+    return spec.batch_selector is not None or spec.row_selector is not None

@@ -2,7 +2,9 @@
 # Source it from the repository root after `set -euo pipefail`; each lane keeps its own install order, because
 # what may be installed with which pins is the part that differs between frameworks.
 #
-#   ci_venv VENV                      create VENV unless it has a python; sets PY
+#   ci_venv VENV                      create VENV unless it has a python; sets PY (and VENV, made absolute)
+#   ci_pin KEY                        print the pip requirement CI installs for framework KEY (trl==1.16.0), read
+#                                     from recipe/versions.py: the tested range and the CI pin live there only
 #   ci_torch_pin FILE                 write the CPU torch pin (torch==$TORCH_VERSION) and install CPU torch first
 #   ci_freeze FILE                    pip freeze of PY's environment (editable installs left out), sorted
 #   ci_require_unchanged BEFORE AFTER FRAMEWORK [identical|additions-ok]
@@ -17,8 +19,16 @@ TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
 ci_venv() {
   VENV=$1
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  VENV=$(cd "$VENV" && pwd)  # absolute: a lane may run its tests from another directory
   PY="$VENV/bin/python"
   "$PY" -m pip install -q --upgrade pip
+}
+
+ci_pin() {
+  # recipe.versions is stdlib-only, so any python3 runs it from the repository root (no install needed)
+  local pin
+  pin=$(python3 -m recipe.versions ci "$1") || { echo "ci_pin: no CI pin for framework '$1' in recipe/versions.py" >&2; return 2; }
+  echo "$pin"
 }
 
 ci_torch_pin() {

@@ -21,7 +21,3 @@ main``); it forwards to :mod:`stalerl.launch.cli`.
 """
 
 __version__ = "0.1.0"
-
-from stalerl import _compat
-
-_compat.install()  # old console-script targets (`stalerl.report`, ...) of environments installed before the move

@@ -1,9 +1,8 @@
 """The main job's public command module: ``python -m stalerl.cli`` and ``from stalerl.cli import main``.
 
-The code lives in :mod:`stalerl.launch.cli`; this module only forwards to it, so commands in docs, scripts and Slurm
-job files written before the runtime was grouped into subpackages keep working.
+The code lives in :mod:`stalerl.launch.cli`; this module only forwards to it (``python -m`` runs a file), so the
+public command stays ``python -m stalerl.cli`` whatever the runtime's internal layout.
 """
-# restructure: keep-old-paths (a compat module: /work/wt-tools/restructure.py neither moves nor rewrites it)
 
 import sys
 

@@ -21,15 +21,26 @@ Thresholds are compared on the log scale, in fp32: "r > c" means ``d > fp32(ln c
 d == ln c participates in the Future-KL and is neither dropped nor counted as a low-clip token; the safety test
 is ``d > fp32(ln safety_threshold)``.
 
-Normalisation, ours beside the reference's. The reference (the authors' verl code, and the TRL port) divides each
-micro-batch's loss by the tokens *kept after the drop in that micro-batch* ("bnpo-style" local mean; TRL then divides
-by the gradient-accumulation steps). Here ``token-mean`` called alone (no ``global_batch_info``) does exactly that:
-dropped rows leave both the sum and the count. Inside the stalerl actor and verl's ``ppo_loss`` the count is the
-caller's ``batch_num_tokens``: every valid token of the optimizer mini-batch (over all micro-batches and ranks),
-computed before the loss, so dropped rows leave the numerator but stay in the denominator. That is the price of
-an update that does not depend on how the mini-batch is split: the weights, the drop and the per-row sums are per
-row, so splitting by rows with a global denominator gives exactly the whole mini-batch's loss and gradient, whereas
-the reference's per-micro-batch denominator changes with the split.
+Normalisation: one definition of the step's objective. A dropped row leaves the numerator *and* the denominator of
+the whole optimizer step: ``token-mean`` is the sum over the kept rows' valid tokens divided by the number of those
+tokens over the whole step (all micro-batches, all ranks). That is the reference's objective when the step is one
+call (the authors' verl code and the TRL port divide by the tokens kept after the drop), and it is what every path
+that splits a step computes:
+
+- one call, no ``global_batch_info``: the call's kept tokens (the reference, literally);
+- a split step planned by :func:`recipe.optimizer_batch.plan_optimizer_batch`: the plan runs
+  :func:`fipo_row_selector` on every micro-batch (rows never span micro-batches; packed 1-D micro-batches carry
+  ``cu_seqlens``), passes each call its ``row_keep_mask`` (the tokens of its kept rows) and sets
+  ``batch_num_tokens`` to the kept tokens of the whole step, all-reduced over the group. The loss honours that
+  mask: the drop is the plan's, as M2PO's selection is. Summing the micro-batch losses is then exactly the
+  one-call loss, whatever the split.
+- a caller that sets ``batch_num_tokens`` itself without the plan's ``row_keep_mask`` (verl's ``ppo_loss``, the
+  stalerl actor) counted every valid token before the loss, dropped rows included: the loss divides by that count
+  as given, which is the reference only when no row drops. verl's plugin therefore refuses FIPO on a split step
+  (recipe/verl/losses.py).
+
+Clip metrics: ``fipo/clip_fraction`` (the PPO clip decided the token) and ``fipo/dual_clip_fraction`` (the dual
+clip -A c decided it), as shares of the tokens that enter the loss (the kept rows' valid tokens).
 
 Config keys (stalerl ``actor.*``; verl ``actor_rollout_ref.actor.policy_loss.*``; TRL GRPOConfig names):
 ``fipo_decay_rate`` (32), ``fipo_clip_ratio_c`` (10, must exceed 1 + eps_high), ``fipo_influence_clip_ratio``
@@ -64,6 +75,8 @@ METRIC_KEYS = (
     "fipo/influence_weight_clip_ratio_upper",
     "fipo/influence_weight_clip_ratio_lower",
     "fipo/sequence_drop_ratio",
+    "fipo/clip_fraction",
+    "fipo/dual_clip_fraction",
 )
 
 DEFAULT_DECAY_RATE = 32.0
@@ -199,46 +212,137 @@ class FIPOWeights:
     metrics: dict[str, float]
 
 
-@torch.no_grad()
-def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                 params: FIPOParams) -> FIPOWeights:
-    """Future-KL, clipped and safety-reset influence weights, the post-drop loss mask and the metrics."""
+def _log_threshold(value: float, device: torch.device) -> torch.Tensor:
+    """ln(value) in fp32: thresholds are compared on the log scale, in fp32 (see the module docstring)."""
+    return torch.tensor(math.log(value), dtype=torch.float32, device=device)
+
+
+def _clamped_inputs(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     d = torch.where(valid, log_ratio.detach().float(), torch.zeros((), device=valid.device))
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    log_c = torch.tensor(math.log(params.clip_ratio_c), dtype=torch.float32, device=d.device)
-    above_c = valid & (d > log_c)
+    return d, adv
+
+
+def _low_clip_tokens(d: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, params: FIPOParams) -> torch.Tensor:
+    """Per token: a valid A < 0 token whose ratio exceeds c (two of them in a row drop the row)."""
+    return valid & (d > _log_threshold(params.clip_ratio_c, d.device)) & (adv < 0)
+
+
+@torch.no_grad()
+def _fipo_weight_tensors(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                         params: FIPOParams, row_keep_mask: Optional[torch.Tensor] = None):
+    """The weights and the post-drop mask, and the metric numerators as tensors (no host sync)."""
+    d, adv = _clamped_inputs(log_ratio, advantages, valid)
+    above_c = valid & (d > _log_threshold(params.clip_ratio_c, d.device))
     contrib = torch.where(valid & ~above_c, d, torch.zeros_like(d))
     future_kl = discounted_future_sum(contrib, params.gamma)
 
     w_raw = torch.exp(future_kl)
     lower, upper = params.weight_bounds()
     w = w_raw.clamp(min=lower, max=upper)
-    log_safety = torch.tensor(math.log(params.safety_threshold), dtype=torch.float32, device=d.device)
-    reset = (adv < 0) & (d > log_safety)
+    reset = (adv < 0) & (d > _log_threshold(params.safety_threshold, d.device))
     w = torch.where(reset, w.clamp(*SAFETY_RESET_RANGE), w)
     w = torch.where(valid, w, torch.ones_like(w))
 
-    low_clip_tokens = (above_c & (adv < 0)).sum(dim=-1)
-    dropped = low_clip_tokens > 1
-    loss_mask = valid & ~dropped.unsqueeze(-1)
+    if row_keep_mask is None:
+        dropped = (above_c & (adv < 0)).sum(dim=-1) > 1
+        loss_mask = valid & ~dropped.unsqueeze(-1)
+        partial_rows = torch.zeros((), device=d.device)
+    else:  # the step's plan decided the drop (recipe.optimizer_batch): whole rows, honoured as given
+        loss_mask = valid & row_keep_mask.bool()
+        kept_per_row = loss_mask.sum(dim=-1)
+        dropped = valid.any(dim=-1) & (kept_per_row == 0)
+        partial_rows = ((kept_per_row > 0) & (kept_per_row < valid.sum(dim=-1))).sum()
 
     n_valid = valid.sum().clamp(min=1).float()
     raw_mean = torch.where(valid, torch.exp(future_kl.clamp(max=RAW_METRIC_LOG_CLAMP)), torch.zeros_like(w)).sum()
     at_upper = (valid & (w >= upper)).sum().float()
     at_lower = (valid & (w <= lower)).sum().float() if lower is not None else torch.zeros((), device=d.device)
     drop_ratio = dropped.float().sum() / max(1, dropped.numel())
-    stats = torch.stack([raw_mean / n_valid, at_upper / n_valid, at_lower / n_valid, drop_ratio]).tolist()
+    stats = [raw_mean / n_valid, at_upper / n_valid, at_lower / n_valid, drop_ratio]
+    return future_kl, w, loss_mask, dropped, stats, partial_rows
+
+
+@torch.no_grad()
+def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                 params: FIPOParams) -> FIPOWeights:
+    """Future-KL, clipped and safety-reset influence weights, the post-drop loss mask and the metrics."""
+    future_kl, w, loss_mask, dropped, stats, _ = _fipo_weight_tensors(log_ratio, advantages, valid, params)
+    values = torch.stack(stats).tolist()
     return FIPOWeights(future_kl=future_kl, weights=w, loss_mask=loss_mask, dropped_rows=dropped,
-                       metrics=dict(zip(METRIC_KEYS, stats)))
+                       metrics=dict(zip(METRIC_KEYS, values)))
 
 
 def fipo_per_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                         params: FIPOParams) -> torch.Tensor:
     """The dual-clip PPO surrogate on the reweighted advantage A * w (w detached), per token, with grad."""
+    return _surrogate(log_ratio, advantages, weights, params)[0]
+
+
+def _surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor, params: FIPOParams):
     ratio = torch.exp(clamp_log_ratio(log_ratio))
     adv_hat = advantages.detach().float() * weights.detach()
-    return ppo_clip_surrogate(ratio, adv_hat, params.eps_low, params.eps_high, params.clip_ratio_c)[0]
+    return ppo_clip_surrogate(ratio, adv_hat, params.eps_low, params.eps_high, params.clip_ratio_c)
+
+
+# ----------------------------------------------------------------------------- the step-wide sequence drop
+
+
+def _packed_segments(cu_seqlens: Any, length: int, device: torch.device) -> torch.Tensor:
+    """Sequence index of every packed position (-1 past the last boundary); checks ``cu_seqlens``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"fipo: cu_seqlens must be a 1-D integer tensor [0, l_0, l_0 + l_1, ...], got "
+                         f"{cu_seqlens!r}")
+    bounds = cu_seqlens.tolist()
+    if not bounds or bounds[0] != 0 or any(b > c for b, c in zip(bounds, bounds[1:])) or bounds[-1] > length:
+        raise ValueError(f"fipo: cu_seqlens must rise from 0 to at most {length} (the packed length), got {bounds}")
+    positions = torch.arange(length, device=device)
+    segment = torch.bucketize(positions, cu_seqlens.to(device)[1:], right=True)
+    return torch.where(positions < bounds[-1], segment, torch.full_like(segment, -1))
+
+
+@torch.no_grad()
+def fipo_row_selector(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                      response_mask: torch.Tensor, *, config: Any = None,
+                      cu_seqlens: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """FIPO's sequence drop for one micro-batch of a planned step (``recipe.optimizer_batch``).
+
+    Rows are ``(B, T)`` padded rows, or, with ``cu_seqlens``, the sequences of packed tokens (``(N,)`` or ``(1, N)``).
+    Returns ``row_keep_mask`` (the input's shape: True on the valid tokens of the rows that stay), ``num_rows`` and
+    ``num_dropped_rows``; the plan sums the kept tokens over micro-batches and ranks into the step's denominator
+    and passes ``row_keep_mask`` back to :func:`compute_policy_loss_fipo`. The rule is the loss's own (module
+    docstring, 5).
+    """
+    params = fipo_params_from_config(config)
+    shape = response_mask.shape
+    if cu_seqlens is None:
+        if response_mask.dim() != 2:
+            raise ValueError(f"fipo: a micro-batch of shape {tuple(shape)} is not (rows, tokens); FIPO drops whole "
+                             "sequences, so packed 1-D tokens need their boundaries: set MicroBatch.cu_seqlens")
+        valid = check_inputs("fipo", old_log_prob, log_prob, advantages, response_mask)
+        d, adv = _clamped_inputs(masked_log_ratio(old_log_prob, log_prob, valid), advantages, valid)
+        dropped = _low_clip_tokens(d, adv, valid, params).sum(dim=-1) > 1
+        keep = valid & ~dropped.unsqueeze(-1)
+        return {"row_keep_mask": keep, "num_rows": int(shape[0]), "num_dropped_rows": int(dropped.sum())}
+    if response_mask.dim() not in (1, 2) or (response_mask.dim() == 2 and shape[0] != 1):
+        raise ValueError(f"fipo: cu_seqlens marks sequences in packed tokens of shape (N,) or (1, N), got "
+                         f"{tuple(shape)}")
+    flat = [t.reshape(1, -1) for t in (old_log_prob, log_prob, advantages, response_mask)]
+    valid = check_inputs("fipo", *flat)
+    segment = _packed_segments(cu_seqlens, valid.shape[1], valid.device)[None, :]
+    if (valid & (segment < 0)).any():
+        raise ValueError("fipo: valid tokens lie past the last cu_seqlens boundary; every valid packed token must "
+                         "belong to a sequence")
+    d, adv = _clamped_inputs(masked_log_ratio(flat[0], flat[1], valid), flat[2], valid)
+    num_rows = int(cu_seqlens.numel()) - 1
+    low = _low_clip_tokens(d, adv, valid, params)
+    counts = torch.zeros(num_rows + 1, dtype=torch.int64, device=valid.device)
+    counts.index_add_(0, (segment + 1).reshape(-1), low.reshape(-1).long())  # slot 0: past the end (never low)
+    dropped = counts[1:] > 1
+    keep = valid & ~torch.cat([torch.zeros(1, dtype=torch.bool, device=valid.device), dropped])[segment + 1]
+    return {"row_keep_mask": keep.reshape(shape), "num_rows": num_rows, "num_dropped_rows": int(dropped.sum())}
 
 
 def compute_policy_loss_fipo(
@@ -249,19 +353,38 @@ def compute_policy_loss_fipo(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    row_keep_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """FIPO with verl's policy-loss signature (see the module docstring)."""
+    """FIPO with verl's policy-loss signature (see the module docstring).
+
+    ``row_keep_mask`` (optional): the step plan's sequence drop for this micro-batch (:func:`fipo_row_selector`
+    through ``recipe.optimizer_batch.plan_optimizer_batch``), whose ``batch_num_tokens`` then counts the step's
+    kept tokens.
+    Without it the drop is computed here, from this call's rows.
+    """
     params = fipo_params_from_config(config)
     valid = check_inputs("fipo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if row_keep_mask is not None and tuple(row_keep_mask.shape) != tuple(valid.shape):
+        raise ValueError(f"fipo: row_keep_mask has shape {tuple(row_keep_mask.shape)}, expected "
+                         f"{tuple(valid.shape)} (the shape of response_mask); pass the mask plan_optimizer_batch made "
+                         "for this micro-batch")
     d = masked_log_ratio(old_log_prob, log_prob, valid)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    fw = fipo_weights(d, adv, valid, params)
-    per_token = fipo_per_token_loss(d, adv, fw.weights, params)
+    _, w, loss_mask, _, stats, partial_rows = _fipo_weight_tensors(d, adv, valid, params, row_keep_mask)
+    per_token, clipped, dual_clipped = _surrogate(d, adv, w, params)
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(per_token))
-    loss = agg_loss(per_token, fw.loss_mask, loss_agg_mode, **global_batch_info(config))
-    return loss, fw.metrics
+    loss = agg_loss(per_token, loss_mask, loss_agg_mode, **global_batch_info(config))
+    with torch.no_grad():
+        n_loss = loss_mask.sum().clamp(min=1).float()
+        clip_stats = [(clipped & loss_mask).sum() / n_loss, (dual_clipped & loss_mask).sum() / n_loss]
+        values = torch.stack([*stats, *clip_stats, partial_rows.float()]).tolist()  # one host sync
+    if values[-1]:
+        raise ValueError(f"fipo: row_keep_mask keeps only part of {int(values[-1])} row(s); FIPO drops whole "
+                         "rows, so it takes only the mask plan_optimizer_batch('fipo', ...) made for this "
+                         "micro-batch (an M2PO token mask is not one)")
+    return loss, dict(zip(METRIC_KEYS, values[:-1]))
 
 
 __all__ = ["METRIC_KEYS", "FIPOParams", "FIPOWeights", "compute_policy_loss_fipo", "discounted_future_sum",
-           "fipo_params_from_config", "fipo_per_token_loss", "fipo_weights"]
+           "fipo_params_from_config", "fipo_per_token_loss", "fipo_row_selector", "fipo_weights"]

@@ -25,6 +25,9 @@ FIPO (``_target_: recipe.verl.config.FIPOPolicyLossConfig``, ``loss_mode: fipo``
 ``fipo_safety_threshold`` (> 0, default 10); see recipe/fipo/algorithm.py. The PPO clip is the actor's
 ``clip_ratio_low`` / ``clip_ratio_high``; the rule ``fipo_clip_ratio_c > 1 + clip_ratio_high`` spans the actor and
 its policy_loss, so it is checked by the loss on its first call (a ValueError naming both keys).
+``fipo_allow_split_step`` (bool, default false): accept verl's split optimizer step for FIPO, where dropped rows stay
+in the denominator (an approximation, logged as ``fipo/split_step_approximate``); by default a split step is refused
+at the first loss call (recipe/verl/losses.py).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class FIPOPolicyLossConfig(PolicyLossConfig):
     fipo_influence_clip_ratio: float = _FIPO_DEFAULTS.influence_clip_ratio
     fipo_influence_clip_high_only: bool = _FIPO_DEFAULTS.influence_clip_high_only
     fipo_safety_threshold: float = _FIPO_DEFAULTS.safety_threshold
+    fipo_allow_split_step: bool = False
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)
@@ -106,6 +110,9 @@ class FIPOPolicyLossConfig(PolicyLossConfig):
         if not isinstance(self.fipo_influence_clip_high_only, bool):
             raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_high_only must be true or false, got "
                              f"{self.fipo_influence_clip_high_only!r}")
+        if not isinstance(self.fipo_allow_split_step, bool):
+            raise ValueError(f"{KEY_PREFIX}.fipo_allow_split_step must be true or false, got "
+                             f"{self.fipo_allow_split_step!r}")
         if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
             raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_ratio must be < 1 when "
                              f"fipo_influence_clip_high_only is false, got {self.fipo_influence_clip_ratio}")

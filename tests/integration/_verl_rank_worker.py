@@ -47,10 +47,10 @@ def main() -> None:
         "loss_mode": "m2po", "m2_threshold": tau, "m2_scope": "dp_group",
     }))
 
-    import recipe.registry
+    import recipe.verl
 
     result["identity_after_config"] = {
-        n: core_algos.get_policy_loss_fn(n) is recipe.registry.get_policy_loss_fn(r) for n, r in NAMES.items()
+        n: core_algos.get_policy_loss_fn(n) is recipe.verl.loss_function(n) for n in NAMES
     }
 
     import torch.distributed as dist

@@ -2,11 +2,14 @@
 
 Run: ``pytest -m verl tests/integration -k fipo``. Against the real verl package:
 
-1. Registration: ``import verl`` alone registers ``fipo`` in a fresh interpreter and in a Ray worker, and verl hands
-   out the very function held by ``recipe.registry``.
-2. verl's own ``ppo_loss`` (padded and nested layouts) gives bit-identically the loss, the gradient and the metrics of
-   a direct call on the same tensors, on a case where the weights, the clip and the sequence drop all act; two
-   simulated DP ranks x two micro-batches with verl's global batch info reproduce the whole-batch update.
+1. Registration: ``import verl`` alone registers ``fipo`` in a fresh interpreter and in a Ray worker; verl hands out
+   ``recipe.verl.losses.compute_policy_loss_fipo_verl`` (the registry's FIPO behind the whole-step check).
+2. verl's own ``ppo_loss`` (padded and nested layouts) on a step that is one call gives bit-identically the loss, the
+   gradient and the metrics of the reference (a direct one-call FIPO: dropped rows leave numerator and
+   denominator), on a case where the weights, the clip and the sequence drop all act. A split step (micro-batches,
+   simulated DP ranks) is refused with one line before any update; with ``fipo_allow_split_step`` it runs with
+   verl's all-valid-token denominator, logs ``fipo/split_step_approximate`` = 1, and the difference from the
+   reference is measured (docs/algorithms/fipo.md).
 3. The packaged ``fipo_trainer.yaml`` composes, its keys are overridable without ``+`` and reach the loss; bad values
    fail at config time naming the key.
 """
@@ -56,10 +59,10 @@ def fresh_interpreter():
             "import verl\n"
             "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
             "loaded = 'recipe.verl.plugin' in sys.modules\n"
-            "import recipe.registry, recipe.fipo.algorithm as a\n"
+            "import recipe.verl, recipe.verl.losses as v\n"
             "fn = get_policy_loss_fn('fipo')\n"
-            "same = fn is recipe.registry.get_policy_loss_fn('fipo')\n"
-            "print(before, loaded, same, fn is a.compute_policy_loss_fipo)\n")
+            "same = fn is recipe.verl.loss_function('fipo')\n"
+            "print(before, loaded, same, fn is v.compute_policy_loss_fipo_verl)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     yield proc
@@ -77,11 +80,12 @@ def verl_env(fresh_interpreter):
     from verl.workers.utils.losses import ppo_loss
 
     import recipe.fipo.algorithm as algorithm
+    import recipe.verl.losses as losses
     from recipe.verl import config_dir
     from recipe.verl.config import FIPOPolicyLossConfig
 
     return SimpleNamespace(core_algos=core_algos, ppo_loss=ppo_loss, ActorConfig=ActorConfig,
-                           omega_conf_to_dataclass=omega_conf_to_dataclass, algorithm=algorithm,
+                           omega_conf_to_dataclass=omega_conf_to_dataclass, algorithm=algorithm, losses=losses,
                            FIPOPolicyLossConfig=FIPOPolicyLossConfig, config_dir=config_dir)
 
 
@@ -137,9 +141,9 @@ def test_fipo_registered_in_a_ray_worker(verl_env):
         import verl  # noqa: F401
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-        import recipe.registry
+        import recipe.verl
 
-        return os.getpid(), before, get_policy_loss_fn("fipo") is recipe.registry.get_policy_loss_fn("fipo")
+        return os.getpid(), before, get_policy_loss_fn("fipo") is recipe.verl.loss_function("fipo")
 
     assert not ray.is_initialized()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
@@ -152,11 +156,11 @@ def test_fipo_registered_in_a_ray_worker(verl_env):
 
 
 def test_verl_hands_out_the_fipo_function(verl_env):
-    assert verl_env.core_algos.get_policy_loss_fn("fipo") is verl_env.algorithm.compute_policy_loss_fipo
+    assert verl_env.core_algos.get_policy_loss_fn("fipo") is verl_env.losses.compute_policy_loss_fipo_verl
 
 
 @pytest.mark.parametrize("layout", ["padded", "nested"])
-def test_fipo_through_ppo_loss_is_bit_identical_to_a_direct_call(verl_env, layout):
+def test_fipo_through_ppo_loss_on_a_one_call_step_is_bit_identical_to_the_reference(verl_env, layout):
     case = _fipo_case()
     rows = list(range(len(case["response_lens"])))
     config = _actor(verl_env, fipo_decay_rate=8.0)
@@ -165,44 +169,81 @@ def test_fipo_through_ppo_loss_is_bit_identical_to_a_direct_call(verl_env, layou
     td = C.build_td(case, rows, layout, dp_size=1, batch_num_tokens=n_tokens, global_batch_size=len(rows))
     loss, metrics = verl_env.ppo_loss(config, C.model_output(flat, case, rows, layout), td)
     loss.backward()
-    ref_loss, ref_grad, ref_metrics = _direct(verl_env, case, rows, config,
-                                              {"dp_size": 1, "batch_num_tokens": n_tokens, "global_batch_size": 8})
+    ref_loss, ref_grad, ref_metrics = _direct(verl_env, case, rows, config)  # one call, its own kept tokens
     # the case exercises the drop and both clip bounds
     assert ref_metrics["fipo/sequence_drop_ratio"] == 1 / 8
     assert ref_metrics["fipo/influence_weight_clip_ratio_upper"] > 0
     assert ref_metrics["fipo/influence_weight_clip_ratio_lower"] > 0
+    assert ref_metrics["fipo/dual_clip_fraction"] > 0 and ref_metrics["fipo/clip_fraction"] > 0
     assert torch.equal(loss.detach(), ref_loss)
     assert torch.equal(flat.grad, ref_grad)
-    assert set(metrics) == set(verl_env.algorithm.METRIC_KEYS) | {"actor/pg_loss"}
+    approx = verl_env.losses.APPROXIMATE_METRIC
+    assert set(metrics) == set(verl_env.algorithm.METRIC_KEYS) | {approx, "actor/pg_loss"}
+    assert metrics[approx].values == [0.0]
     for key, value in ref_metrics.items():
         assert metrics[key].values == [value]
 
 
-def test_fipo_micro_batches_and_dp_ranks_reproduce_the_whole_batch(verl_env):
-    """Two simulated DP ranks x two micro-batches (nested: each padded to its own width): FIPO is per row, so with
-    verl's global batch info the averaged rank losses and gradients are the whole batch's."""
-    case = _fipo_case(seed=1)
+def _split_step(env, case, config):
+    """Two simulated DP ranks x two micro-batches (nested: each padded to its own width), verl's global info."""
     bsz = len(case["response_lens"])
     n_global = C.num_tokens(case)
-    config = _actor(verl_env)
     flat = C.flat_for_rows(case, range(bsz)).requires_grad_(True)
     offsets = case["offsets"]
-    rank_losses = []
+    rank_losses, metrics = [], []
     for micro_batches in ([[0, 1], [2, 3]], [[4, 5], [6, 7]]):
         losses = []
         for rows in micro_batches:
             td = C.build_td(case, rows, "nested", dp_size=2, batch_num_tokens=n_global, global_batch_size=bsz)
             lo, hi = offsets[rows[0]], offsets[rows[-1] + 1]
-            loss, _ = verl_env.ppo_loss(config, C.model_output(flat[lo:hi], case, rows, "nested"), td)
+            loss, m = env.ppo_loss(config, C.model_output(flat[lo:hi], case, rows, "nested"), td)
             losses.append(loss)
+            metrics.append(m)
         rank_losses.append(torch.stack(losses).sum())
     total = torch.stack(rank_losses).mean()
     total.backward()
-    ref_loss, ref_grad, ref_metrics = _direct(verl_env, case, list(range(bsz)), config,
-                                              {"dp_size": 1, "batch_num_tokens": n_global, "global_batch_size": bsz})
+    return total.detach(), flat.grad, metrics
+
+
+def test_fipo_split_step_is_refused_before_any_update(verl_env):
+    case = _fipo_case(seed=1)
+    with pytest.raises(ValueError) as info:
+        _split_step(verl_env, case, _actor(verl_env))
+    message = str(info.value)
+    assert "\n" not in message and "fipo in verl: this optimizer step is split" in message
+    for setting in ("ppo_micro_batch_size_per_gpu = ppo_mini_batch_size x rollout.n", "use_dynamic_bsz=false",
+                    "trainer.n_gpus_per_node=1", "policy_loss.fipo_allow_split_step=true"):
+        assert setting in message
+    # one rank, two micro-batches: split too
+    rows = [0, 1]
+    td = C.build_td(case, rows, "nested", dp_size=1, batch_num_tokens=C.num_tokens(case), global_batch_size=8)
+    flat = C.flat_for_rows(case, rows).requires_grad_(True)
+    with pytest.raises(ValueError, match="this optimizer step is split"):
+        verl_env.ppo_loss(_actor(verl_env), C.model_output(flat, case, rows, "nested"), td)
+
+
+def test_fipo_split_step_opt_in_runs_logs_itself_and_measures_the_difference(verl_env):
+    """With fipo_allow_split_step the split step keeps the dropped rows in verl's denominator: the loss and gradient
+    are the one call with the all-valid-token count (exactly), and differ from the reference by kept / valid."""
+    case = _fipo_case(seed=1)
+    bsz = len(case["response_lens"])
+    n_global = C.num_tokens(case)
+    config = _actor(verl_env, fipo_allow_split_step=True)
+    total, grad, metrics = _split_step(verl_env, case, config)
+    assert all(m[verl_env.losses.APPROXIMATE_METRIC].values == [1.0] for m in metrics)
+    as_given, as_given_grad, _ = _direct(verl_env, case, list(range(bsz)), config,
+                                         {"dp_size": 1, "batch_num_tokens": n_global, "global_batch_size": bsz})
+    torch.testing.assert_close(total, as_given, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, as_given_grad, rtol=1e-6, atol=1e-8)
+    ref_loss, _, ref_metrics = _direct(verl_env, case, list(range(bsz)), config)
     assert ref_metrics["fipo/sequence_drop_ratio"] > 0
-    torch.testing.assert_close(total.detach(), ref_loss, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(flat.grad, ref_grad, rtol=1e-6, atol=1e-8)
+    dropped = sum(case["response_lens"][i] for i in range(bsz)
+                  if _direct(verl_env, case, [i], config)[2]["fipo/sequence_drop_ratio"] == 1.0)
+    assert dropped > 0
+    assert total.item() == pytest.approx(ref_loss.item() * (n_global - dropped) / n_global, rel=1e-5)
+    print(f"\nverl split step with drops (fipo_allow_split_step): loss {total.item():.4f} vs reference "
+          f"{ref_loss.item():.4f} (x {(n_global - dropped) / n_global:.4f} = kept {n_global - dropped} / valid "
+          f"{n_global} tokens; {ref_metrics['fipo/sequence_drop_ratio'] * bsz:.0f} of {bsz} rows dropped)")
 
 
 def _compose(env, overrides):
@@ -228,9 +269,9 @@ def test_fipo_trainer_yaml_composes_and_carries_the_keys_to_the_loss(verl_env):
     flat = C.flat_for_rows(case, rows).requires_grad_(True)
     td = C.build_td(case, rows, "padded", dp_size=1, batch_num_tokens=C.num_tokens(case), global_batch_size=8)
     loss, _ = verl_env.ppo_loss(actor, C.model_output(flat, case, rows, "padded"), td)
-    ref_loss, _, _ = _direct(verl_env, case, rows, actor, {"dp_size": 1, "batch_num_tokens": C.num_tokens(case),
-                                                           "global_batch_size": 8})
+    ref_loss, _, _ = _direct(verl_env, case, rows, actor)
     assert torch.equal(loss.detach(), ref_loss)
+    assert pl.fipo_allow_split_step is False
 
 
 @pytest.mark.parametrize("override, message", [
@@ -239,6 +280,7 @@ def test_fipo_trainer_yaml_composes_and_carries_the_keys_to_the_loss(verl_env):
     ("fipo_influence_clip_ratio=-1", "fipo_influence_clip_ratio must be a finite number >= 0.0"),
     ("fipo_safety_threshold=nan", "fipo_safety_threshold must be a finite number > 0.0"),
     ("fipo_influence_clip_high_only=maybe", "fipo_influence_clip_high_only must be true or false"),
+    ("fipo_allow_split_step=1", "fipo_allow_split_step must be true or false"),
 ])
 def test_fipo_bad_values_fail_at_config_time(verl_env, override, message):
     from hydra.errors import InstantiationException

@@ -227,8 +227,13 @@ def test_config_target_registers_when_plugin_discovery_is_off(verl_env, launched
 
 
 def test_verl_hands_out_the_recipe_registry_functions(verl_env):
+    import recipe.verl
+    from recipe.verl.losses import compute_policy_loss_fipo_verl
+
     for verl_name, recipe_name in NAMES.items():
-        assert verl_env.core_algos.get_policy_loss_fn(verl_name) is verl_env.registry.get_policy_loss_fn(recipe_name)
+        expected = compute_policy_loss_fipo_verl if verl_name == "fipo" else \
+            verl_env.registry.get_policy_loss_fn(recipe_name)
+        assert verl_env.core_algos.get_policy_loss_fn(verl_name) is expected is recipe.verl.loss_function(verl_name)
     assert verl_env.core_algos.get_policy_loss_fn("m2po") is verl_env.algorithm.compute_policy_loss_m2po
     # verl's own losses are untouched
     assert verl_env.core_algos.get_policy_loss_fn("vanilla").__module__ == "verl.trainer.ppo.core_algos"
@@ -245,12 +250,11 @@ def test_ray_worker_process_registers_on_import_verl(verl_env):
         import verl  # noqa: F401
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-        import recipe.registry
+        import recipe.verl
 
-        names = {"m2po": "m2po", "stalerl_vanilla": "vanilla", "no_trust_region": "no_trust_region", "fipo": "fipo"}
+        names = ("m2po", "stalerl_vanilla", "no_trust_region", "fipo")
         return {"pid": os.getpid(), "recipe_before": before,
-                "identity": {n: get_policy_loss_fn(n) is recipe.registry.get_policy_loss_fn(r)
-                             for n, r in names.items()}}
+                "identity": {n: get_policy_loss_fn(n) is recipe.verl.loss_function(n) for n in names}}
 
     assert not ray.is_initialized()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
@@ -503,3 +507,40 @@ def test_plugin_that_cannot_register_fails_loudly(verl_env, caplog, monkeypatch)
         verl_env.omega_conf_to_dataclass(OmegaConf.create({"_target_": "recipe.verl.config.M2POPolicyLossConfig",
                                                            "loss_mode": "m2po"}))
     assert verl_env.core_algos.POLICY_LOSS_REGISTRY["m2po"] is impostor  # never silently replaced
+
+
+def test_untested_verl_version_is_refused_at_import_unless_allowed(verl_env, caplog, monkeypatch):
+    """The plugin checks the installed verl against recipe.versions' tested range before registering: a faked 0.11.0
+    makes `import recipe.verl.plugin` (what verl's entry point runs) fail loudly with one line naming the range and
+    the override, and the config class refuses too; with STALERL_ALLOW_UNTESTED_FRAMEWORKS=verl it warns and
+    registers."""
+    import warnings
+
+    import recipe.verl as adapter
+    import recipe.versions as versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda key: "0.11.0" if key == "verl" else real(key))
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    for name in ("recipe.verl.plugin", "recipe.verl.config"):
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(adapter, name.rsplit(".", 1)[1])
+    with caplog.at_level(logging.ERROR, logger="recipe.verl.plugin"):
+        with pytest.raises(versions.UntestedFrameworkVersion) as info:
+            importlib.import_module("recipe.verl.plugin")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("recipe.verl: verl 0.11.0 is installed")
+    assert versions.FRAMEWORKS["verl"].tested in message and f"{versions.ALLOW_ENV}=verl" in message
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+    with pytest.raises(versions.UntestedFrameworkVersion):
+        importlib.import_module("recipe.verl.config")
+
+    monkeypatch.setenv(versions.ALLOW_ENV, "verl")
+    monkeypatch.setattr(versions, "_warned", set())
+    sys.modules.pop("recipe.verl.plugin", None)
+    sys.modules.pop("recipe.verl.config", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin = importlib.import_module("recipe.verl.plugin")
+    assert any("outside the tested range" in str(w.message) for w in caught)
+    assert plugin.REGISTERED["m2po"] is verl_env.core_algos.get_policy_loss_fn("m2po")

@@ -365,7 +365,7 @@ def _split_case(seed=21):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_row_splits_with_global_batch_info_give_exactly_the_whole_batch_update(agg):
     """The weights, the drop and the Future-KL are per row, so splitting a mini-batch by rows into micro-batches
-    (each padded to its own width) and summing with the mini-batch's global counts is the whole-batch update."""
+    (each padded to its own width) and summing with one set of global counts is the one call with those counts."""
     old, new, adv, mask = _split_case()
     info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0]}
     whole_lp = new.clone().requires_grad_(True)
@@ -383,6 +383,88 @@ def test_row_splits_with_global_batch_info_give_exactly_the_whole_batch_update(a
             total = total + loss.detach()
         torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_planned_row_splits_are_the_reference_objective_where_a_row_drops():
+    """The step's objective: the dropped row (25 tokens) leaves the numerator and the denominator of the whole step.
+    A count of every valid token (the caller's own, without the plan) is the reference only without drops: here it
+    is the reference x kept / valid; the plan's count and row_keep_mask give the reference for every split."""
+    from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch
+
+    old, new, adv, mask = _split_case()
+    ref_loss, _, kept, _ = fipo_loop(old, new, adv, mask)
+    assert kept.count(False) == 1
+    whole_lp = new.clone().requires_grad_(True)
+    whole, _ = call(old, whole_lp, adv, mask)
+    whole.backward()
+    assert whole.item() == pytest.approx(ref_loss, rel=1e-5)
+    n_valid = int(mask.sum())
+    all_valid, _ = call(old, new, adv, mask, global_batch_info={"dp_size": 1, "batch_num_tokens": n_valid})
+    assert all_valid.item() == pytest.approx(ref_loss * (n_valid - 25) / n_valid, rel=1e-5)
+    for split in ([[0, 1, 2], [3, 4], [5, 6, 7]], [[i] for i in range(8)], [[2], [0, 1, 3, 4, 5, 6, 7]]):
+        widths = [max(1, int(mask[rows].sum(1).max())) for rows in split]
+        lp = new.clone().requires_grad_(True)
+        mbs = [MicroBatch(old[r, :w], lp[r, :w].detach(), adv[r, :w], mask[r, :w]) for r, w in zip(split, widths)]
+        plan = plan_optimizer_batch("fipo", mbs, {})
+        assert plan.num_tokens == n_valid - 25 and plan.row_drops.num_dropped_rows == 1
+        total = 0.0
+        for rows, w, extras in zip(split, widths, plan.extras):
+            loss, _ = compute_policy_loss_fipo(old[rows, :w], lp[rows, :w], adv[rows, :w], mask[rows, :w],
+                                               "token-mean", plan.config_for({}), **extras)
+            loss.backward()
+            total = total + loss.detach()
+        assert total.item() == pytest.approx(ref_loss, rel=1e-5)
+        torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_row_selector_drops_the_rows_the_loss_drops():
+    from recipe.fipo import fipo_row_selector
+
+    g = torch.Generator().manual_seed(404)
+    for _ in range(200):
+        old, new, adv, mask = _case(g)
+        if mask.numel() == 0:
+            continue
+        fw = fipo_weights(torch.where(mask, new - torch.where(mask, old, 0.0), 0.0), adv, mask,
+                          fipo_params_from_config({}))
+        sel = fipo_row_selector(old, new, adv, mask, config={})
+        assert torch.equal(sel["row_keep_mask"], fw.loss_mask)
+        assert sel["num_dropped_rows"] == int(fw.dropped_rows.sum()) and sel["num_rows"] == mask.shape[0]
+
+
+def test_clip_fractions_are_the_literal_shares_of_the_loss_tokens():
+    """fipo/clip_fraction: the PPO clip decided the token's loss; fipo/dual_clip_fraction: the dual clip -A w c did;
+    both over the kept rows' valid tokens, checked against a per-token loop."""
+    g = torch.Generator().manual_seed(77)
+    checked = {"clip": 0, "dual": 0}
+    for _ in range(300):
+        old, new, adv, mask = _case(g)
+        loss, metrics = call(old, new, adv, mask, clip_ratio_high=0.28)
+        _, weights, kept, _ = fipo_loop(old, new, adv, mask, eps_high=0.28)
+        n, n_clip, n_dual, ties = 0, 0, 0, 0  # ties: r within rounding of a clip bound, decided either way
+        for b in range(mask.shape[0]):
+            if not kept[b]:
+                continue
+            for t in range(mask.shape[1]):
+                if not mask[b, t]:
+                    continue
+                d = max(-20.0, min(20.0, float(new[b, t].float() - old[b, t].float())))
+                r = math.exp(d)
+                ah = float(adv[b, t]) * weights[b][t]
+                n += 1
+                if ah == 0 or any(math.isclose(r, bound, rel_tol=1e-5) for bound in (0.8, 1.28, 10.0)):
+                    ties += ah != 0
+                    continue
+                unclipped, clipped = -ah * r, -ah * min(max(r, 0.8), 1.28)
+                n_clip += clipped > unclipped
+                n_dual += ah < 0 and max(unclipped, clipped) > -ah * 10.0
+        tol = (ties + 1e-6) / max(n, 1)
+        assert metrics["fipo/clip_fraction"] == pytest.approx(n_clip / max(n, 1), abs=tol)
+        assert metrics["fipo/dual_clip_fraction"] == pytest.approx(n_dual / max(n, 1), abs=tol)
+        checked["clip"] += n_clip
+        checked["dual"] += n_dual
+    assert checked["clip"] > 20 and checked["dual"] > 5, checked
 
 
 def test_local_token_mean_like_the_reference_is_not_split_invariant():

@@ -124,7 +124,7 @@ ALLOWED = {
     "stalerl.core": set(),
     "stalerl.config": {"stalerl.core", "recipe"},
     "stalerl.data": {"stalerl.core"},
-    "stalerl.rollout": {"stalerl.core"},
+    "stalerl.rollout": {"stalerl.core", "recipe"},  # recipe.versions: the vLLM version guard
     "stalerl.results": {"stalerl.core", "stalerl.config"},
     "stalerl.schedulers": {"stalerl.core", "stalerl.config"},
     "stalerl.training": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
@@ -140,7 +140,7 @@ def room(module: str) -> str:
     if parts[0] == "recipe":
         return "recipe"
     sub = f"stalerl.{parts[1]}" if len(parts) > 1 else "stalerl"
-    return sub if sub in ALLOWED else "stalerl"  # a top-level module (`stalerl.cli`, stalerl._compat)
+    return sub if sub in ALLOWED else "stalerl"  # a top-level module (`stalerl.cli`)
 
 
 def room_violations(graph: Dict[str, Set[str]]) -> List[str]:
@@ -209,8 +209,8 @@ def test_removed_circles_stay_removed_also_for_lazy_imports():
 def test_top_level_reads_as_the_architecture():
     top = REPO / "stalerl"
     modules = sorted(p.name for p in top.glob("*.py"))
-    # the package, the public command module (`python -m stalerl.cli`) and the old console-script names
-    assert modules == ["__init__.py", "_compat.py", "cli.py"], f"new top-level module(s): put them in a room {modules}"
+    # the package and the public command module (`python -m stalerl.cli`)
+    assert modules == ["__init__.py", "cli.py"], f"new top-level module(s): put them in a room {modules}"
     # (a folder left holding only __pycache__ after a move is not a room)
     rooms = sorted(p.name for p in top.iterdir() if p.is_dir() and any(p.rglob("*.py")))
     assert rooms == sorted(r.split(".")[1] for r in ALLOWED if r.startswith("stalerl."))
@@ -219,17 +219,11 @@ def test_top_level_reads_as_the_architecture():
         assert doc and "import" in doc, f"stalerl/{r}/__init__.py needs a docstring saying what it may import"
 
 
-def test_old_module_paths_are_only_compat_entry_points():
-    """The project's own code imports the new paths; the old ones exist only for what outside code can reach."""
-    modules = project_modules()
-    graph = import_edges(modules, include_lazy=True)
-    # the compat modules say so in their header (`stalerl.cli`, stalerl._compat, the `recipe.m2po.verl` shims)
-    compat = {m for m, p in modules.items() if "(a compat module:" in p.read_text(encoding="utf-8")}
-    assert len(compat) >= 6
+def test_the_public_command_module_is_only_an_entry_point():
+    """The project's own code imports stalerl.launch.cli; stalerl.cli exists only for `python -m stalerl.cli`."""
+    graph = import_edges(project_modules(), include_lazy=True)
     for mod, deps in graph.items():
-        if mod in compat or mod == "stalerl":
-            continue
-        assert not deps & compat, f"{mod} imports the compat module(s) {sorted(deps & compat)}; use the new path"
+        assert mod == "stalerl.cli" or "stalerl.cli" not in deps, f"{mod} imports stalerl.cli; use stalerl.launch.cli"
 
 
 def test_cycle_finder_reports_the_cycle():

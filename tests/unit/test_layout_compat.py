@@ -1,18 +1,17 @@
-"""What outside code and old run directories reach keeps working after the runtime was grouped into subpackages.
+"""What outside code and old run directories reach keeps working whatever the runtime's internal layout.
 
-- ``python -m stalerl.cli`` and ``from stalerl.cli import main`` (docs, user scripts, Slurm job files written before);
-- the console scripts: pyproject's targets, and the old targets that wrappers installed before the move import;
-- the verl adapter's old home ``recipe.m2po.verl`` (old ``verl.plugins`` entry point, old ``_target_`` in verl
-  configs, old ``stalerl-verl-config-path`` wrapper): see ``tests/integration/test_verl_plugin.py`` for verl itself;
+- ``python -m stalerl.cli`` and ``from stalerl.cli import main`` (docs, user scripts, Slurm job files);
+- the console scripts: pyproject's targets resolve; the verl adapter without verl names how to install it;
 - run directories: a checkpoint and the run's files name no ``stalerl``/``recipe`` module, so a run written before
-  (or after) any move resumes and reports; ``stalerl-report`` reads the summaries shipped in docs/, written before.
+  (or after) any move resumes and reports; ``stalerl-report`` reads the summaries written by an older runtime.
+
+No forwarding shims for old module paths: version 0.1.0 is the first release, so nothing installed outside this
+tree names them.
 """
-# restructure: keep-old-paths (this test names the old paths on purpose; /work/wt-tools/restructure.py skips it)
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import pickle
 import subprocess
@@ -63,70 +62,19 @@ def test_console_script_targets_resolve_to_their_new_modules():
     assert scripts["stalerl-report"] == "stalerl.results.report:main"
 
 
-def test_old_console_script_modules_import_the_new_ones(monkeypatch):
-    """A wrapper installed before the move runs ``from stalerl.report import main``: the finder serves the new
-    module (the same object) under the old name, with a DeprecationWarning saying how to refresh the wrappers."""
-    import stalerl
-    from stalerl._compat import MOVED_MODULES, MovedModuleFinder
-
-    assert any(isinstance(f, MovedModuleFinder) for f in sys.meta_path), "import stalerl installs the finder"
-    # Ask our finder first: a development environment's editable finder may still map old names to another checkout.
-    monkeypatch.setattr(sys, "meta_path", [MovedModuleFinder(), *sys.meta_path])
-    for old, new in MOVED_MODULES.items():
-        monkeypatch.delitem(sys.modules, old, raising=False)
-        monkeypatch.delattr(stalerl, old.rpartition(".")[2], raising=False)
-        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-            mod = importlib.import_module(old)
-        assert mod is importlib.import_module(new) and mod.__name__ == new
-        assert callable(mod.main)
-    assert MovedModuleFinder().find_spec("stalerl.reports", None) is None  # only the listed names
-
-
-def test_old_console_script_wrapper_runs_in_a_fresh_interpreter():
-    # exactly what pip wrote into bin/stalerl-report before the move
-    code = "import sys\nfrom stalerl.report import main\nsys.argv[0] = 'stalerl-report'\nsys.exit(main())\n"
-    out = _run("-c", "import sys; from stalerl._compat import MovedModuleFinder; sys.meta_path.insert(0, "
-                     "MovedModuleFinder())\n" + code, "--help")
-    assert out.returncode == 0, out.stderr
-    assert "usage: stalerl-report" in out.stdout
-
-
-def test_old_verl_adapter_paths_are_the_new_objects():
-    pytest.importorskip("verl")
-    import recipe.m2po.verl as old
-    import recipe.m2po.verl.cli as old_cli
-    import recipe.m2po.verl.config as old_config
-    import recipe.m2po.verl.plugin as old_plugin
-    import recipe.verl as new
-    import recipe.verl.cli
-    import recipe.verl.config
-    import recipe.verl.plugin
-
-    entry = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["entry-points"]
-    assert entry["verl.plugins"]["stalerl"] == "recipe.verl.plugin"
-    assert old.config_dir() == new.config_dir() == REPO / "recipe" / "verl" / "config"
-    assert (new.config_dir() / "m2po_trainer.yaml").is_file() and (new.config_dir() / "fipo_trainer.yaml").is_file()
-    assert old.M2POPolicyLossConfig is old_config.M2POPolicyLossConfig is recipe.verl.config.M2POPolicyLossConfig
-    assert old_config.FIPOPolicyLossConfig is recipe.verl.config.FIPOPolicyLossConfig
-    assert old_plugin.register is recipe.verl.plugin.register and old_cli.main is recipe.verl.cli.main
-    assert old_plugin.REGISTERED == recipe.verl.plugin.REGISTERED and set(old_plugin.REGISTERED) == set(
-        new.VERL_LOSS_NAMES)
-    # an old verl config's `_target_` still builds the same config class (Hydra resolves it by import path)
-    from hydra.utils import get_class
-
-    assert get_class("recipe.m2po.verl.config.M2POPolicyLossConfig") is recipe.verl.config.M2POPolicyLossConfig
-    for name in ("m2po_trainer.yaml", "fipo_trainer.yaml"):
-        text = (new.config_dir() / name).read_text(encoding="utf-8")
-        assert "recipe.verl.config." in text and "recipe.m2po.verl" not in text
-    out = _run("-m", "recipe.m2po.verl.cli")  # the old stalerl-verl-config-path target prints the new directory
-    assert out.returncode == 0 and out.stdout.strip() == str(new.config_dir()), out.stderr
-
-
-def test_old_verl_adapter_path_without_verl_names_the_extra():
-    out = _run("-c", "import sys; sys.modules['verl'] = None\ntry:\n    import recipe.m2po.verl.plugin\n"
+def test_verl_adapter_without_verl_names_the_extra_and_how_to_install_it():
+    out = _run("-c", "import sys; sys.modules['verl'] = None\ntry:\n    import recipe.verl.plugin\n"
                      "except ImportError as exc:\n    print('IMPORT-ERROR:', exc)\n")
     assert out.returncode == 0, out.stderr
-    assert "IMPORT-ERROR:" in out.stdout and 'pip install "stalerl[verl]"' in out.stdout
+    assert "IMPORT-ERROR:" in out.stdout and 'pip install -e ".[verl]"' in out.stdout
+    assert "stalerl-0.1.0-py3-none-any.whl[verl]" in out.stdout
+
+
+def test_the_removed_shims_stay_removed():
+    """recipe.m2po.verl and stalerl's old console-script names were never released: they do not import."""
+    for old in ("recipe.m2po.verl", "stalerl.report", "stalerl.plot", "stalerl.study"):
+        out = _run("-c", f"import {old}")
+        assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, (old, out.stderr[-500:])
 
 
 class _GlobalsRecorder(pickle.Unpickler):

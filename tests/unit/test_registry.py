@@ -89,6 +89,17 @@ def test_register_new_loss_and_selector(scratch_registry):
     assert "test_only_loss" in registered_policy_losses()
 
 
+def test_fipo_registers_a_row_selector_and_every_selecting_loss_needs_the_steps_log_probs(scratch_registry):
+    from recipe.fipo import fipo_row_selector
+
+    assert registry.get_row_selector("fipo") is fipo_row_selector and get_batch_selector("fipo") is None
+    assert registry.get_row_selector("m2po") is None
+    assert {n: registry.needs_step_log_probs(n) for n in BUILTINS} == {
+        "fipo": True, "m2po": True, "no_trust_region": False, "vanilla": False}
+    with pytest.raises(ValueError, match="not both"):
+        register_policy_loss("test_both", batch_selector=fipo_row_selector, row_selector=fipo_row_selector)
+
+
 def test_registry_fixture_did_not_leak():
     assert "test_only_loss" not in registered_policy_losses()
 

@@ -100,6 +100,18 @@ def test_other_vllm_versions_are_refused_in_one_line_naming_the_range(version):
     assert "Fix:" in msg
 
 
+def test_untested_vllm_runs_with_a_warning_when_the_override_names_it(monkeypatch):
+    import recipe.versions as versions
+
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setenv(versions.ALLOW_ENV, "vllm")
+    with pytest.warns(RuntimeWarning, match="outside the tested range"):
+        check_vllm_version("0.33.0")
+    monkeypatch.setenv(versions.ALLOW_ENV, "trl")  # another framework's override does not let vLLM through
+    with pytest.raises(VLLMVersionError, match=f"{versions.ALLOW_ENV}=vllm"):
+        check_vllm_version("0.33.0")
+
+
 def test_sync_vllm_shares_the_trainers_gpu_async_needs_its_own():
     # The synchronous loop's engine runs in the trainer's process: the shipped config with vLLM fits one GPU.
     load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1"])
