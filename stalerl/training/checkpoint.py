@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from stalerl.core.errors import UserError, resource_error
 from stalerl.core.io import PathLike, atomic_write_text, fsync_dir
 
 __all__ = [
@@ -123,10 +124,20 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
     tmp.mkdir()
     try:
         state_path = tmp / STATE_FILE
-        with open(state_path, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with open(state_path, "wb") as raw:
+            fh = _WriteErrorRecorder(raw)
+            try:
+                torch.save(state, fh)
+                fh.flush()
+                os.fsync(raw.fileno())
+            except Exception as exc:
+                # torch's writer turns the file's OSError into its own RuntimeError ("unexpected pos ..."): the
+                # recorded OSError says what really happened (a full disk is the user's to fix, in one line).
+                cause = fh.error if fh.error is not None else exc
+                resource = resource_error(cause, f"checkpoint step_{step}", state_path)
+                if resource is not None:
+                    raise resource from exc
+                raise
         # Hash what is actually on disk (read back), so the loader checks the bytes that were really written.
         digest, size = _sha256_file(state_path)
         meta = {
@@ -158,14 +169,36 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
             os.replace(final, aside)
         os.replace(tmp, final)
         fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and `latest` are untouched
+        resource = None if isinstance(exc, UserError) else resource_error(exc, f"checkpoint step_{step}", tmp)
+        if resource is not None:
+            raise resource from exc
         raise
 
     atomic_write_text(root / LATEST_FILE, name + "\n")  # the commit point: written last
 
     _prune(root, step, previous_step, keep_last)
     return final
+
+
+class _WriteErrorRecorder:
+    """A binary file wrapper that remembers the first ``OSError`` a write raised (then re-raises it)."""
+
+    def __init__(self, fh):
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def __getattr__(self, name: str):  # flush, tell, seek, fileno, ...
+        return getattr(self._fh, name)
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:

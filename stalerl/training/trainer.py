@@ -19,6 +19,7 @@ from stalerl.training.actor import Actor
 from stalerl.training.advantage import grpo_advantages, shaped_rewards
 from stalerl.training.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
+from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
 from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary
@@ -309,6 +310,11 @@ class Trainer:
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
         self.on_training_start()
+        with interrupt.deferred():  # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt)
+            return self._train_steps(logger, resumed)
+
+    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int]) -> dict[str, Any]:
+        cfg = self.cfg
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
@@ -335,8 +341,11 @@ class Trainer:
             progress.update(step, last)
             if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
                 self.log(format_summary(step, last, SUMMARY_KEYS))
-            if cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
+            saved = cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0
+            if saved:
                 self.save_checkpoint()
+            if interrupt.stop_requested() is not None and step < self.total_steps:
+                self._stop_for_signal(logger, progress, saved=bool(saved))
         progress.close()
         logger.close()
         if cfg.recover.mode != "disabled" and resumed != self.step and self.step % cfg.recover.freq_steps:
@@ -346,6 +355,17 @@ class Trainer:
         trial_dir.write_finished(self.run_dir, step=self.step, total_steps=self.total_steps,
                                  steps_per_epoch=self.steps_per_epoch())
         return last
+
+    def _stop_for_signal(self, logger: MetricsLogger, progress: Progress, *, saved: bool) -> None:
+        """A SIGTERM/SIGINT arrived during this step: checkpoint it (the same checkpoint a periodic one of this step
+        is, so a resume continues exactly), then stop with RunInterrupted."""
+        progress.close()
+        logger.close()
+        if self.cfg.recover.mode == "disabled":
+            raise interrupt.stop_now(step=self.step, note="no final checkpoint (recover.mode=disabled)")
+        if not saved:
+            self.save_checkpoint()
+        raise interrupt.stop_now(step=self.step, checkpoint_step=self.step)
 
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(self.cfg, len(self.train_examples))

@@ -94,6 +94,10 @@ class _RayWorkerHost:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
+        import signal
+
+        # Ctrl-C reaches a terminal's whole process group, Ray's workers too: only the controller stops the run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.role = role
         self.worker = getattr(importlib.import_module(module), cls_name)(**kwargs)
 
