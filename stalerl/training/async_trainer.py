@@ -69,6 +69,8 @@ class AsyncTrainer(Trainer):
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
         self.hosting = make_hosting(cfg, self.run_dir / "logs")
+        if cfg.rollout.weight_sync == "shared_memory" and hasattr(self.hosting, "check_shared_memory"):
+            self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
         self.results = self.hosting.results
         self.rollout_workers: list[WorkerProcess] = []
         self.train_workers: list[WorkerProcess] = []

@@ -22,6 +22,7 @@ from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
 from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
+from stalerl.data.fit import check_data_fits
 from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary
 from stalerl.core.model import PromptFormatter, load_policy_from_config, resolve_device
 from stalerl.core.reward import gsm8k_reward
@@ -120,6 +121,7 @@ class Trainer:
         # Data first: a wrong path fails before the model is built.
         self.train_examples = self._load_split(cfg.train_dataset, "train_dataset")
         self.valid_examples = self._load_split(cfg.valid_dataset, "valid_dataset")
+        check_data_fits(cfg, self.train_examples, self.valid_examples)  # before the model: one line, exit 2
 
         self.device = resolve_device(cfg.actor.device)
         self.model, self.tokenizer = load_policy_from_config(cfg)
@@ -127,6 +129,8 @@ class Trainer:
         self.train_examples = self._filter_by_prompt_tokens(self.train_examples, cfg.train_dataset, "train_dataset")
         self.valid_examples = self._filter_by_prompt_tokens(self.valid_examples, cfg.valid_dataset,
                                                             "valid_dataset")[:cfg.evaluator.n_prompts]
+        check_data_fits(cfg, self.train_examples, self.valid_examples, stage="after dropping prompts longer than "
+                        "train_dataset.max_length / valid_dataset.max_length tokens", evaluation_size=False)
         self.dataset = PromptDataset(self.train_examples, batch_size=cfg.train_dataset.batch_size,
                                      shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last,
                                      seed=cfg.seed)
