@@ -43,6 +43,7 @@ from stalerl.core.io import PathLike, atomic_write_text, fsync_dir
 
 __all__ = [
     "CheckpointError",
+    "CheckpointsUnusable",
     "capture_rng_state",
     "checkpoint_root",
     "list_checkpoints",
@@ -370,14 +371,27 @@ def load_checkpoint(ckpt_dir: PathLike, *, map_location: Any = "cpu", verify: bo
     return step, state
 
 
-def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> tuple[int, dict] | None:
+class CheckpointsUnusable(UserError):
+    """Checkpoints exist but none can be loaded: the run refuses to start over silently (and keeps them)."""
+
+
+CORRUPT_SUFFIX = ".corrupt"  # step_<N>.corrupt-<time>: an unusable checkpoint set aside; never loaded, never pruned
+
+
+def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu", refuse_all_invalid: bool = False,
+                           set_aside_invalid: bool = False) -> tuple[int, dict] | None:
     """``(step, state)`` of the newest valid committed checkpoint, or ``None`` if there is none.
 
     The ``latest`` pointer is tried first. If it is damaged (fails the sha256 check, is missing files, ...), older
     checkpoints are tried newest first and a warning is logged. Directories newer than the pointer were never
     committed (the writer died between renaming them and updating the pointer) and are ignored. Without a pointer
     (killed before the first commit finished, or the file was removed), the newest valid checkpoint is used.
-    Read-only: safe to call from every rank at once.
+    Read-only by default: safe to call from every rank at once.
+
+    ``refuse_all_invalid``: when checkpoints exist but none is valid, raise :class:`CheckpointsUnusable` (naming
+    each and why) instead of returning None, so a run does not silently start over. ``set_aside_invalid`` (the one
+    process that writes checkpoints): the invalid ones newer than the checkpoint loaded are renamed
+    ``step_<N>.corrupt-<time>``, which no pruning ever deletes (the evidence of what happened stays).
     """
     root = checkpoint_root(run_dir)
     entries = _scan(root)
@@ -390,17 +404,28 @@ def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> t
         if entries:
             logger.warning("no valid '%s' pointer in %s; using the newest valid checkpoint found", LATEST_FILE, root)
     failures: list[str] = []
+    reasons: list[str] = []
+    invalid: list[Path] = []
+    warnings: list[tuple[str, tuple]] = []  # logged unless the caller gets them all in one refusal instead
     for e in entries:
         try:
             step, state = load_checkpoint(e.path, map_location=map_location)
         except CheckpointError as exc:
-            logger.warning("skipping invalid checkpoint: %s", exc)
+            warnings.append(("skipping invalid checkpoint: %s", (exc,)))
             failures.append(e.path.name)
+            reasons.append(f"{e.path.name}: {str(exc).split(': ', 1)[-1][:160]}")
+            invalid.append(e.path)
             continue
         if step != e.step:
-            logger.warning("skipping checkpoint %s: meta.json says step %d", e.path, step)
+            warnings.append(("skipping checkpoint %s: meta.json says step %d", (e.path, step)))
             failures.append(e.path.name)
+            reasons.append(f"{e.path.name}: meta.json says step {step}")
+            invalid.append(e.path)
             continue
+        for msg, args in warnings:
+            logger.warning(msg, *args)
+        if set_aside_invalid and invalid:
+            _set_aside_invalid(root, invalid)
         if latest_step is not None and (failures or e.path.name != latest_name):
             logger.warning(
                 "latest checkpoint %s is not usable (%s); falling back to %s",
@@ -409,9 +434,29 @@ def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> t
                 e.path.name,
             )
         return step, state
+    if refuse_all_invalid and reasons:
+        raise CheckpointsUnusable(
+            f"every checkpoint of {Path(run_dir)} is unusable ({'; '.join(reasons)}); they are kept as they are. "
+            "To start this trial over use recover.mode=disabled (its checkpoints are set aside, not deleted), or use "
+            "a new trial_name")
+    for msg, args in warnings:
+        logger.warning(msg, *args)
     if latest_name is not None:
         logger.warning("checkpoint pointer names %s but no valid checkpoint was found in %s", latest_name, root)
     return None
+
+
+def _set_aside_invalid(root: Path, paths: list[Path]) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for path in paths:
+        aside = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{stamp}")
+        try:
+            os.replace(path, aside)
+        except OSError as exc:  # pragma: no cover - a read-only directory: leave it, the loader skips it again
+            logger.warning("could not set aside invalid checkpoint %s: %s", path, exc)
+            continue
+        logger.warning("invalid checkpoint %s set aside as %s (kept, never pruned)", path.name, aside.name)
+    fsync_dir(root)
 
 
 # ------------------------------------------------------------------------------------------------------------ RNG

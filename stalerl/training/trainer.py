@@ -277,11 +277,14 @@ class Trainer:
         self.tasks_generated = int(state["tasks_generated"])
         restore_rng_state(state["rng"])
 
+    resume_rows: Optional[list] = None  # set by maybe_recover: the metrics lines its checkpoint recorded
+
     def maybe_recover(self) -> Optional[int]:
         mode = self.cfg.recover.mode
         if mode == "disabled":
             return None
-        found = load_latest_checkpoint(self.run_dir)
+        # Every checkpoint unusable: refuse (never a silent fresh start); damaged ones skipped are set aside, kept.
+        found = load_latest_checkpoint(self.run_dir, refuse_all_invalid=True, set_aside_invalid=True)
         if found is None:
             if mode == "resume":
                 raise UserError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
@@ -293,6 +296,7 @@ class Trainer:
                             f"{self.total_steps}: nothing to train. Raise total_train_steps to extend it, use a new "
                             "trial_name, or recover.mode=disabled to start over")
         self.restore(state)
+        self.resume_rows = state.get("metrics_rows")  # its step's metrics lines, should the file have lost them
         self.log(f"resumed from checkpoint at step {step} ({self.run_dir})")
         return step
 
@@ -302,7 +306,9 @@ class Trainer:
         resumed = self.maybe_recover()
         if resumed is None:
             self._set_aside_previous_metrics()
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed,
+                               resume_rows=self.resume_rows, log=self.log)
+        self.metrics_logger = logger
         if not self.warm_start_done:
             summary = self.run_warm_start()
             self.warm_start_done = True
@@ -378,8 +384,10 @@ class Trainer:
         """An atomic checkpoint of this step; its meta.json records the config and step plan for the next run."""
         meta = {"config": trial_dir.config_dict(self.cfg), "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch()}
-        save_checkpoint(self.run_dir, self.step, self.checkpoint_state(), keep_last=self.cfg.recover.keep_last,
-                        meta_extra=meta)
+        state = self.checkpoint_state()
+        logger = getattr(self, "metrics_logger", None)
+        state["metrics_rows"] = logger.rows_of(self.step) if logger is not None else []
+        save_checkpoint(self.run_dir, self.step, state, keep_last=self.cfg.recover.keep_last, meta_extra=meta)
 
     def on_training_start(self) -> None:
         """Hook after warm start or restore, before the first step (the async trainer syncs its workers here)."""
