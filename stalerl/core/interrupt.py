@@ -95,6 +95,12 @@ class StopRequests:
             StopRequests.current = self
         return self
 
+    def reinstall(self) -> None:
+        """Take the signals back from a library that installed its own handlers (Ray's driver aborts on SIGTERM)."""
+        if self._installed and threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+
     def __exit__(self, *exc: object) -> None:
         if self._timer is not None:
             self._timer.cancel()

@@ -135,6 +135,11 @@ def init_ray(address: Optional[str] = None, *, log_to_driver: bool = True) -> bo
 
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
+    from stalerl.core.interrupt import current
+
+    stop = current()
+    if stop is not None:  # ray.init installs a SIGTERM handler that aborts the driver: the run's own comes back
+        stop.reinstall()
     return True
 
 
