@@ -26,3 +26,33 @@ def refuse_unknown_keys(where: str, given: "object", allowed: "set[str] | frozen
     if unknown:
         raise error(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of "
                     f"{', '.join(sorted(allowed))}")
+
+
+# errno values that mean "the disk (or quota) is full" or "this file system is read-only": a resource the user can
+# free or fix, not a bug of the program.
+NO_SPACE_ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT (Linux)
+READ_ONLY_ERRNOS = frozenset({30})  # EROFS
+
+
+class ResourceError(UserError):
+    """The machine lacks what the run needs (disk space, shared memory, a writable directory): one line, exit 2."""
+
+
+def resource_error(exc: BaseException, what: str, path: "object") -> "ResourceError | None":
+    """The :class:`ResourceError` for an ``OSError`` that means a full disk, a full quota or a read-only file system
+    while writing ``what`` to ``path`` (None for any other error, which stays a bug with its traceback)."""
+    import errno as _errno
+    import os as _os
+
+    code = getattr(exc, "errno", None)
+    if not isinstance(exc, OSError) or code not in NO_SPACE_ERRNOS | READ_ONLY_ERRNOS:
+        return None
+    reason = _os.strerror(code)
+    if code in NO_SPACE_ERRNOS:
+        fix = "free space on that file system, or point cluster.fileroot at one with room"
+    else:
+        fix = "point cluster.fileroot at a writable directory"
+    err = ResourceError(f"could not write {what} to {path}: {reason} ({_errno.errorcode.get(code, code)}); "
+                        f"everything written before is intact; {fix}")
+    err.errno = code  # type: ignore[attr-defined]
+    return err

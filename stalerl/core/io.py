@@ -19,6 +19,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
+from stalerl.core.errors import resource_error
+
 __all__ = [
     "atomic_write_text",
     "atomic_write_bytes",
@@ -67,10 +69,13 @@ def _atomic_write(path: PathLike, write: Callable[[IO[bytes]], None]) -> Path:
             os.fsync(fh.fileno())  # data must be on disk before the rename can make it visible
         os.chmod(tmp_name, _FILE_MODE)
         os.replace(tmp_name, target)
-    except BaseException:
+    except BaseException as exc:
         # Any failure (including KeyboardInterrupt) before the rename leaves the old file untouched; drop the temp.
         with suppress(OSError):
             os.unlink(tmp_name)
+        resource = resource_error(exc, target.name, target)  # disk full / read-only: a user error, one line
+        if resource is not None:
+            raise resource from exc
         raise
     fsync_dir(parent)  # make the rename itself durable
     return target
@@ -135,17 +140,34 @@ def append_jsonl(path: PathLike, record: Mapping[str, Any]) -> None:
 
     If the file does not end with a newline (a previous writer was killed mid-line), a newline is added first so the
     torn fragment stays on its own line (readers skip it) instead of corrupting this record.
+
+    A write that fails (a full disk writes part of the line, then fails) is undone: the file is cut back to its
+    length before this call, so it never holds a partial line of ours, and a full disk or read-only file system
+    raises :class:`~stalerl.core.errors.ResourceError` (one line for the user).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(to_jsonable(dict(record)), allow_nan=True, separators=(", ", ": ")) + "\n"
-    with open(target, "ab+") as fh:
+    # Unbuffered writes on a raw descriptor: a failed write leaves nothing queued that a later close would flush.
+    fd = os.open(target, os.O_RDWR | os.O_APPEND | os.O_CREAT, _FILE_MODE)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
         prefix = b""
-        if fh.seek(0, os.SEEK_END) > 0:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                prefix = b"\n"
-        fh.write(prefix + line.encode("utf-8"))  # "a" mode: the write always lands at the end
-        fh.flush()
-        os.fsync(fh.fileno())
-
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            prefix = b"\n"
+        data = prefix + line.encode("utf-8")
+        try:
+            written = 0
+            while written < len(data):  # O_APPEND: every write lands at the end
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        except BaseException as exc:
+            with suppress(OSError):  # shrinking needs no free space
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            resource = resource_error(exc, "a metrics line", target)
+            if resource is not None:
+                raise resource from exc
+            raise
+    finally:
+        os.close(fd)

@@ -39,8 +39,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.reconfigure(line_buffering=True)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
+    from stalerl.core.interrupt import RunInterrupted
+
     try:
         return _main(argv, debug=debug)
+    except RunInterrupted as stop:  # SIGTERM/SIGINT (stalerl.core.interrupt): one line, exit 128 + signal
+        if debug:
+            raise
+        print(f"stalerl: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     except Exception as err:  # noqa: BLE001 - only user errors are caught; anything else is re-raised (a bug)
         if debug or not isinstance(err, _user_error_types()):
             raise

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from stalerl.config import ExperimentConfig, config_to_yaml, is_async, run_dir
+from stalerl.core.interrupt import RunInterrupted
 
 
 def build_trainer(cfg: ExperimentConfig):
@@ -19,16 +22,6 @@ def build_trainer(cfg: ExperimentConfig):
     return Trainer(cfg)
 
 
-def preflight(cfg: ExperimentConfig) -> None:
-    """Everything that can be refused before a model, worker, Ray task or job exists: paths, the device (where the
-    model will live is this machine) and the trial directory (config agreement with its checkpoint, finished)."""
-    from stalerl.launch.preflight import check_before_launch
-    from stalerl.training.trial_dir import check_trial_dir
-
-    check_before_launch(cfg)
-    check_trial_dir(cfg, run_dir(cfg))
-
-
 def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) -> dict[str, Any]:
     if dry_run:
         print(config_to_yaml(cfg))
@@ -36,11 +29,20 @@ def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) 
     kind = cfg.scheduler.type
     if kind == "slurm":
         raise NotImplementedError("scheduler.type='slurm' is wired in stalerl.launch.cli")
-    preflight(cfg)
-    if kind == "ray" and not is_async(cfg):
-        result = _run_sync_on_ray(cfg)
-    else:
-        result = train_with_summary(cfg)
+    from stalerl.core.interrupt import StopRequests
+    from stalerl.launch.preflight import check_before_launch
+    from stalerl.training.trial_dir import check_trial_dir, lock_trial
+
+    # SIGTERM/SIGINT from here on stop the run cleanly (stalerl.core.interrupt); the trial's lock is held until the
+    # run has ended (and released by the kernel if this process is killed), so no two runs share a trial directory.
+    with StopRequests():
+        check_before_launch(cfg)
+        with lock_trial(cfg, run_dir(cfg)):
+            check_trial_dir(cfg, run_dir(cfg))
+            if kind == "ray" and not is_async(cfg):
+                result = _run_sync_on_ray(cfg)
+            else:
+                result = train_with_summary(cfg)
     if plot:
         from stalerl.results.plot import plot_runs
 
@@ -72,16 +74,18 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
         log_path.touch()
         # max_calls=1: the worker process exits after the task, so its redirected output never outlives it.
         task = ray.remote(max_calls=1)(_train_in_task).options(num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0)
-        ref = task.remote(cfg, str(log_path) if tail else None)
+        pid_path = log_path.with_name("trainer.pid")
+        pid_path.unlink(missing_ok=True)
+        ref = task.remote(cfg, str(log_path) if tail else None, str(pid_path) if tail else None)
         with open(log_path, "rb") as log:
             log.seek(0, 2)  # this run's output only (an extended trial appends to the same file)
-            while True:
-                done, _ = ray.wait([ref], timeout=0.2)
-                _copy_new_output(log)
-                if done:
-                    break
+            try:
+                _follow(ray, ref, log)
+            except RunInterrupted as exc:  # pass the signal on to the task, which stops as a local run does
+                _forward_signal(ray, ref, pid_path, exc.signum)
+                _follow(ray, ref, log, timeout=interrupt_grace() + 30.0)
         try:
-            return ray.get(ref)
+            out = ray.get(ref, timeout=0)
         except ray.exceptions.RayTaskError as exc:
             from stalerl.core.errors import UserError
 
@@ -89,6 +93,14 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
             if isinstance(cause, UserError):  # one line for the user; a bug keeps Ray's remote traceback
                 raise cause from None
             raise
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.TaskCancelledError):
+            raise RunInterrupted(signal.SIGTERM, note="the task did not stop in time and was cancelled: no final "
+                                 "checkpoint (the last one written, if any, is intact)") from None
+        if isinstance(out, dict) and INTERRUPTED_KEY in out:
+            info = out[INTERRUPTED_KEY]
+            raise RunInterrupted(info["signum"], step=info["step"], checkpoint_step=info["checkpoint_step"],
+                                 note=info.get("note", ""))
+        return out
     finally:
         if started:
             ray.shutdown()
@@ -107,16 +119,56 @@ def _copy_new_output(log) -> None:
         sys.stdout.flush()
 
 
-def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str]) -> dict[str, Any]:
+INTERRUPTED_KEY = "__stalerl_interrupted__"
+
+
+def _follow(ray, ref, log, timeout: Optional[float] = None) -> None:
+    """Copy the task's new output to our stdout until it ends (or ``timeout`` seconds pass)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done, _ = ray.wait([ref], timeout=0.2)
+        _copy_new_output(log)
+        if done or (deadline is not None and time.monotonic() > deadline):
+            return
+
+
+def _forward_signal(ray, ref, pid_path, signum: int) -> None:
+    """The task's process gets the signal itself when it runs on this machine (it wrote its pid), else Ray's
+    cancellation (a KeyboardInterrupt in the task: SIGINT)."""
+    import os
+
+    try:
+        os.kill(int(pid_path.read_text()), signum)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass
+    ray.cancel(ref)
+
+
+def interrupt_grace() -> float:
+    from stalerl.core.interrupt import StopRequests
+
+    return StopRequests().grace_s
+
+
+def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Optional[str] = None) -> dict[str, Any]:
     import os
     import sys
+
+    from stalerl.core.interrupt import StopRequests
 
     if log_path:
         out = open(log_path, "a", buffering=1)
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         sys.stdout = sys.stderr = out
-    return train_with_summary(cfg)
+    if pid_path:
+        Path(pid_path).write_text(str(os.getpid()))
+    try:
+        with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see _forward_signal)
+            return train_with_summary(cfg)
+    except RunInterrupted as exc:  # a BaseException would kill Ray's worker: hand it back as a value
+        return {INTERRUPTED_KEY: {**exc.record(), "note": exc.note}}
 
 
 def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -131,9 +183,14 @@ def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
     except TrainingDiverged as exc:  # an outcome of the method, not a failure of the run: its own status
         write_run_summary(cfg, status="diverged", wall_s=time.time() - start, error=str(exc)[:2000])
         raise
+    except RunInterrupted as exc:  # SIGTERM/SIGINT: stopped on purpose, resumable
+        write_run_summary(cfg, status="interrupted", wall_s=time.time() - start, error=str(exc)[:2000],
+                          extra={"interrupted": exc.record()})
+        raise
     except BaseException as exc:
         write_run_summary(cfg, status="failed", wall_s=time.time() - start,
                           error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    write_run_summary(cfg, status="finished", wall_s=time.time() - start)
+    # strict: a summary that cannot be written (a full disk) fails the run with one line instead of a warning
+    write_run_summary(cfg, status="finished", wall_s=time.time() - start, strict=True)
     return result

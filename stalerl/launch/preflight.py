@@ -75,7 +75,7 @@ def check_before_launch(cfg: Any, *, check_device: Optional[bool] = None) -> Non
     this process or on this machine (local scheduler, a Ray controller, or a Ray cluster started here)."""
     from stalerl.config import is_async
 
-    problems = path_problems(cfg)
+    problems = path_problems(cfg) + run_root_problems(cfg)
     if check_device is None:
         kind = cfg.scheduler.type
         check_device = kind == "local" or (kind == "ray" and (is_async(cfg) or ray_is_this_machine(cfg)))
@@ -86,10 +86,47 @@ def check_before_launch(cfg: Any, *, check_device: Optional[bool] = None) -> Non
     hints = []
     if _wants_cuda(cfg) and any(p.startswith("actor.device") for p in problems):
         hints.append(CPU_CONFIG_HINT)
-    if any(".path=" in p or p.startswith(("actor.path", "tokenizer_path")) for p in problems):
+    if any(".path=" in p or p.startswith(("actor.path", "tokenizer_path")) for p in problems
+           if not p.startswith("cluster.fileroot")):
         hints.append(GPU_RUN_HINT if _wants_cuda(cfg) else
                      "point the keys at existing paths (nothing is downloaded at run time)")
-    raise UserError("this config cannot run here: " + "; ".join(problems) + ". Fix: " + "; ".join(hints))
+    raise UserError("this config cannot run here: " + "; ".join(problems)
+                    + (". Fix: " + "; ".join(hints) if hints else ""))
+
+
+def run_root_problems(cfg: Any) -> list[str]:
+    """``cluster.fileroot`` (where the run directory goes) exists as a directory we can write, or can be created:
+    checked by creating (and removing) a file in the deepest existing directory on the way, never by permission bits
+    (root passes those, a read-only mount does not)."""
+    import errno
+    import tempfile
+    from pathlib import Path
+
+    from stalerl.config import run_dir
+
+    root = cfg.cluster.fileroot
+    target = Path(os.path.abspath(run_dir(cfg)))
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"cluster.fileroot={root!r}: {probe} is a file, not a directory (the run directory {target} would "
+                "be inside it); point cluster.fileroot at a directory"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".stalerl-write-check-"):
+            pass
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        name = errno.errorcode.get(exc.errno or 0, "")
+        return [f"cluster.fileroot={root!r}: cannot write in {probe} ({why}{', ' + name if name else ''}); point "
+                "cluster.fileroot at a writable directory"]
+    return []
+
+
+def check_run_root(cfg: Any) -> None:
+    problems = run_root_problems(cfg)
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def check_ray_fit(asked: dict[str, float], have: dict[str, float], what: str, fix: str) -> None:

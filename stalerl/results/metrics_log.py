@@ -44,7 +44,7 @@ def _metrics_path(path_or_run_dir: PathLike) -> Path:
     return p / METRICS_FILE if p.is_dir() else p
 
 
-def _parse_lines(text: str, source: Path) -> list[dict]:
+def _parse_lines(text: str, source: Path, *, quiet: bool = False) -> list[dict]:
     records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -53,10 +53,12 @@ def _parse_lines(text: str, source: Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             # Typically the torn last line of a killed writer; everything else in the file is still usable.
-            logger.warning("%s:%d: skipping malformed line %.80r", source, lineno, line)
+            if not quiet:
+                logger.warning("%s:%d: skipping malformed line %.80r", source, lineno, line)
             continue
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            logger.warning("%s:%d: skipping line without an integer 'step'", source, lineno)
+            if not quiet:
+                logger.warning("%s:%d: skipping line without an integer 'step'", source, lineno)
             continue
         records.append(rec)
     return records
@@ -74,13 +76,13 @@ def read_metrics(path_or_run_dir: PathLike) -> list[dict]:
     return _parse_lines(path.read_text(encoding="utf-8"), path)
 
 
-def _truncate_after(path: Path, step: int) -> int:
-    """Atomically keep only well-formed lines with ``step <= step``; returns how many lines were dropped."""
+def _truncate_after(path: Path, step: int) -> tuple[int, int]:
+    """Atomically keep only well-formed lines with ``step <= step``; returns (lines dropped, of which malformed)."""
     if not path.is_file():
-        return 0
+        return 0, 0
     text = path.read_text(encoding="utf-8")
     kept: list[str] = []
-    dropped = 0
+    dropped = torn = 0
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -89,13 +91,14 @@ def _truncate_after(path: Path, step: int) -> int:
             keep = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step
         except json.JSONDecodeError:
             keep = False
+            torn += 1
         if keep:
             kept.append(line)  # the original bytes, so kept lines are byte-identical to an uninterrupted run
         else:
             dropped += 1
     if dropped or (text and not text.endswith("\n")):  # nothing to drop: don't rewrite a possibly large file
         atomic_write_text(path, "".join(line + "\n" for line in kept))
-    return dropped
+    return dropped, torn
 
 
 def _scalar(value: Any) -> float | None:
@@ -120,20 +123,46 @@ class MetricsLogger:
             there -- deliberately not destructive; start fresh runs in fresh directories.
     """
 
-    def __init__(self, run_dir: PathLike, *, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: PathLike, *, tensorboard: bool = True, resume_step: int | None = None,
+                 resume_rows: Sequence[Mapping[str, Any]] | None = None, log=print) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.resume_step = None if resume_step is None else int(resume_step)
+        self._rows: list[dict] = []  # the records of the latest step logged (a checkpoint of that step keeps them)
         if self.resume_step is not None:
-            dropped = _truncate_after(self.path, self.resume_step)
+            dropped, torn = _truncate_after(self.path, self.resume_step)
             if dropped:
                 logger.info(
                     "resuming at step %d: dropped %d metric lines from %s", self.resume_step, dropped, self.path
                 )
+            if torn:
+                log(f"stalerl: {self.path}: dropped {torn} malformed (torn) line(s) on resume")
+            self._restore_checkpoint_rows(resume_rows, log)
         self._tb_enabled = tensorboard
         self._tb_writer: Any = None
         self._closed = False
+
+    def _restore_checkpoint_rows(self, rows: Sequence[Mapping[str, Any]] | None, log) -> None:
+        """The resumed checkpoint's own step must have its line(s): a torn last line (a crash or a full disk while
+        writing it) is restored from the rows the checkpoint recorded, and said so."""
+        step = self.resume_step
+        have = self.path.is_file() and any(r["step"] == step for r in _parse_lines(
+            self.path.read_text(encoding="utf-8"), self.path, quiet=True))
+        if have or step == 0:
+            return
+        if rows:
+            for row in rows:
+                append_jsonl(self.path, row)
+            log(f"stalerl: {self.path} had no intact line for step {step} (torn); restored it from the checkpoint "
+                f"of step {step}")
+        else:
+            log(f"stalerl: {self.path} has no line for step {step} and its checkpoint does not record one; that "
+                "step's metrics are missing from the file")
+
+    def rows_of(self, step: int) -> list[dict]:
+        """The records logged for ``step`` if it is the latest step logged (what a checkpoint of it records)."""
+        return [dict(r) for r in self._rows if r["step"] == int(step)]
 
     def _writer(self) -> Any:
         # Created lazily: importing tensorboard costs seconds and most short runs/tests never need it.
@@ -164,6 +193,9 @@ class MetricsLogger:
         step = int(step)
         record = {"step": step, **{str(k): to_jsonable(v) for k, v in metrics.items()}}
         append_jsonl(self.path, record)
+        if self._rows and self._rows[-1]["step"] != step:
+            self._rows = []
+        self._rows.append(record)
         writer = self._writer()
         if writer is not None:
             for key, value in record.items():

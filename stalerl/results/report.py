@@ -511,11 +511,20 @@ def replace_block(text: str, study: str, block: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ command
+def default_figure_dir(paths: Sequence[os.PathLike]) -> Path:
+    """Where figures go without ``--out``: a study's collected results directory (it holds study.json; its document
+    links the figures there), else the current directory, so a run directory is never written into unasked."""
+    first = Path(paths[0])
+    if first.is_dir() and (first / STUDY_FILE).is_file():
+        return first
+    return Path.cwd()
+
+
 def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: Optional[str] = None,
           method_keys: Optional[Sequence[str]] = None, seeds: Optional[Sequence[int]] = None,
           out_dir: Optional[os.PathLike] = None, doc: Optional[os.PathLike] = None, figures: bool = True,
           ) -> tuple[str, list[Path]]:
-    """(markdown block, figure paths written). Figures go to ``out_dir`` (default: the first input directory)."""
+    """(markdown block, figure paths written). Figures go to ``out_dir`` (default: :func:`default_figure_dir`)."""
     meta = load_study(paths)
     summaries = load_summaries(paths)
     if not summaries:
@@ -524,8 +533,7 @@ def build(paths: Sequence[os.PathLike], *, study: Optional[str] = None, title: O
     method_keys = list(method_keys or meta.get("method_keys") or ["loss"])
     cells = group(summaries, method_keys=method_keys, seeds=seeds or meta.get("seeds"), methods=meta.get("methods"),
                   settings=meta.get("settings"), grid=meta.get("grid"))
-    first = Path(paths[0])
-    out = Path(out_dir) if out_dir else (first if first.is_dir() else first.parent)
+    out = Path(out_dir) if out_dir else default_figure_dir(paths)
     metrics = meta.get("figure_metrics") or FIGURE_METRICS
     fig_paths: list[Path] = []
     if figures:
@@ -551,7 +559,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--title", help="table title")
     p.add_argument("--method-keys", help="comma-separated summary fields naming a method (default: loss)")
     p.add_argument("--seeds", help="expected seeds, comma-separated (default: from study.json, else those seen)")
-    p.add_argument("--out", help="directory for <study>.md and the figures (default: the first input directory)")
+    p.add_argument("--out", help="directory for <study>.md and the figures (default for the figures: a study's "
+                                 "results directory when the first input is one (it holds study.json), else the "
+                                 "current directory; a run directory is never written into unasked)")
     p.add_argument("--update-doc", metavar="FILE", help="replace the study's results block in FILE")
     p.add_argument("--check", action="store_true", help="with --update-doc: exit 1 if FILE is not up to date")
     p.add_argument("--no-figures", action="store_true", help="tables only")

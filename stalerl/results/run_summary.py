@@ -13,7 +13,9 @@ including step 0; ``reward``, ``grad_norm``, ``fractions``, ``staleness``), ``wa
 ``machine`` and ``curves``. Schema 2 adds ``eval_every`` (evaluator.freq_steps), ``diagnostics`` (mean and max of
 the drift diagnostics, ``DIAGNOSTIC_METRICS``) and their compact curves, and the status ``diverged``: the loss,
 gradient norm or log-probs became non-finite; the summary keeps the curves up to that step and the report counts the
-run as collapsed (never as missing). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done,
+run as collapsed (never as missing). The status ``interrupted`` (a SIGTERM/SIGINT stopped the run, which
+resumes from its checkpoint) comes with ``interrupted``: ``signal``, ``signum``, ``step`` and ``checkpoint_step``
+(the final checkpoint's step, or null). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done,
 ``final_loss`` and, for an adaptive warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy
 at its last check) and ``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
 """
@@ -293,15 +295,20 @@ def write_summary(path: os.PathLike, summary: Mapping[str, Any]) -> Path:
 
 
 def write_run_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
-                      log=print) -> Optional[Path]:
-    """Write ``<run_dir>/summary.json``; never raises (a summary must not turn a finished run into a failure)."""
+                      log=print, extra: Optional[Mapping[str, Any]] = None, strict: bool = False) -> Optional[Path]:
+    """Write ``<run_dir>/summary.json``; never raises (a summary must not turn a finished run into a failure),
+    except, with ``strict``, for a full disk or read-only file system (a ResourceError: one line, exit 2).
+    ``extra``: fields added to the summary (``interrupted``: the signal and the final checkpoint's step)."""
     from stalerl.config import run_dir
+    from stalerl.core.errors import ResourceError
 
     try:
         path = run_dir(cfg) / SUMMARY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_summary(path, build_summary(cfg, status=status, wall_s=wall_s, error=error))
+        return write_summary(path, {**build_summary(cfg, status=status, wall_s=wall_s, error=error), **(extra or {})})
     except Exception as exc:  # noqa: BLE001
+        if strict and isinstance(exc, ResourceError):
+            raise
         log(f"stalerl: could not write the run summary: {type(exc).__name__}: {exc}")
         return None
 

@@ -30,6 +30,7 @@ import torch
 
 from stalerl.training.actor import DataParallel
 from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, parse_backend
+from stalerl.core import interrupt
 from stalerl.core.io import atomic_torch_save
 from stalerl.rollout.admission import StalenessManager
 from stalerl.rollout.batch import concat_batches
@@ -68,6 +69,8 @@ class AsyncTrainer(Trainer):
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
         self.hosting = make_hosting(cfg, self.run_dir / "logs")
+        if cfg.rollout.weight_sync == "shared_memory" and hasattr(self.hosting, "check_shared_memory"):
+            self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
         self.results = self.hosting.results
         self.rollout_workers: list[WorkerProcess] = []
         self.train_workers: list[WorkerProcess] = []
@@ -86,6 +89,7 @@ class AsyncTrainer(Trainer):
         self.loaded_version: dict[str, int] = {}
         self.weight_files: dict[int, Any] = {}
         self.slow_trainer = os.environ.get(SLOW_TRAINER_ENV, "") not in ("", "0")
+        self.interrupted = False
 
     def _rollout_in_workers(self) -> bool:
         return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
@@ -131,7 +135,7 @@ class AsyncTrainer(Trainer):
         if self.dispatcher is not None:
             self.dispatcher.join(5)
         for w in self.rollout_workers + self.train_workers:
-            w.stop()
+            w.stop(timeout=1.0 if self.interrupted else 10.0)  # interrupted: in-flight rollouts are redone on resume
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self.hosting.close()
@@ -151,6 +155,10 @@ class AsyncTrainer(Trainer):
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
+            signum = interrupt.stop_requested()
+            if signum is not None:  # a signal to the whole job (Slurm, a process group) also reached the workers
+                raise interrupt.stop_now(signum, step=self.step, note="a worker stopped before the step ended: no "
+                                         "final checkpoint (the last one written, if any, is intact)")
             raise self.failure
 
     # ------------------------------------------------------------------ dispatcher thread
@@ -329,7 +337,8 @@ class AsyncTrainer(Trainer):
     def train(self) -> dict[str, Any]:
         try:
             return self._train()
-        except WorkerFailure:
+        except (WorkerFailure, interrupt.RunInterrupted) as exc:
+            self.interrupted = isinstance(exc, interrupt.RunInterrupted)  # workers need no grace then
             raise
         except BaseException as exc:
             # A dead train rank shows up in rank 0 as a collective error; report the worker's own failure instead.

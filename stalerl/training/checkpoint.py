@@ -38,10 +38,12 @@ from typing import Any
 
 import torch
 
+from stalerl.core.errors import UserError, resource_error
 from stalerl.core.io import PathLike, atomic_write_text, fsync_dir
 
 __all__ = [
     "CheckpointError",
+    "CheckpointsUnusable",
     "capture_rng_state",
     "checkpoint_root",
     "list_checkpoints",
@@ -123,10 +125,20 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
     tmp.mkdir()
     try:
         state_path = tmp / STATE_FILE
-        with open(state_path, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with open(state_path, "wb") as raw:
+            fh = _WriteErrorRecorder(raw)
+            try:
+                torch.save(state, fh)
+                fh.flush()
+                os.fsync(raw.fileno())
+            except Exception as exc:
+                # torch's writer turns the file's OSError into its own RuntimeError ("unexpected pos ..."): the
+                # recorded OSError says what really happened (a full disk is the user's to fix, in one line).
+                cause = fh.error if fh.error is not None else exc
+                resource = resource_error(cause, f"checkpoint step_{step}", state_path)
+                if resource is not None:
+                    raise resource from exc
+                raise
         # Hash what is actually on disk (read back), so the loader checks the bytes that were really written.
         digest, size = _sha256_file(state_path)
         meta = {
@@ -158,14 +170,36 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
             os.replace(final, aside)
         os.replace(tmp, final)
         fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and `latest` are untouched
+        resource = None if isinstance(exc, UserError) else resource_error(exc, f"checkpoint step_{step}", tmp)
+        if resource is not None:
+            raise resource from exc
         raise
 
     atomic_write_text(root / LATEST_FILE, name + "\n")  # the commit point: written last
 
     _prune(root, step, previous_step, keep_last)
     return final
+
+
+class _WriteErrorRecorder:
+    """A binary file wrapper that remembers the first ``OSError`` a write raised (then re-raises it)."""
+
+    def __init__(self, fh):
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def __getattr__(self, name: str):  # flush, tell, seek, fileno, ...
+        return getattr(self._fh, name)
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
@@ -337,14 +371,27 @@ def load_checkpoint(ckpt_dir: PathLike, *, map_location: Any = "cpu", verify: bo
     return step, state
 
 
-def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> tuple[int, dict] | None:
+class CheckpointsUnusable(UserError):
+    """Checkpoints exist but none can be loaded: the run refuses to start over silently (and keeps them)."""
+
+
+CORRUPT_SUFFIX = ".corrupt"  # step_<N>.corrupt-<time>: an unusable checkpoint set aside; never loaded, never pruned
+
+
+def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu", refuse_all_invalid: bool = False,
+                           set_aside_invalid: bool = False) -> tuple[int, dict] | None:
     """``(step, state)`` of the newest valid committed checkpoint, or ``None`` if there is none.
 
     The ``latest`` pointer is tried first. If it is damaged (fails the sha256 check, is missing files, ...), older
     checkpoints are tried newest first and a warning is logged. Directories newer than the pointer were never
     committed (the writer died between renaming them and updating the pointer) and are ignored. Without a pointer
     (killed before the first commit finished, or the file was removed), the newest valid checkpoint is used.
-    Read-only: safe to call from every rank at once.
+    Read-only by default: safe to call from every rank at once.
+
+    ``refuse_all_invalid``: when checkpoints exist but none is valid, raise :class:`CheckpointsUnusable` (naming
+    each and why) instead of returning None, so a run does not silently start over. ``set_aside_invalid`` (the one
+    process that writes checkpoints): the invalid ones newer than the checkpoint loaded are renamed
+    ``step_<N>.corrupt-<time>``, which no pruning ever deletes (the evidence of what happened stays).
     """
     root = checkpoint_root(run_dir)
     entries = _scan(root)
@@ -357,17 +404,28 @@ def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> t
         if entries:
             logger.warning("no valid '%s' pointer in %s; using the newest valid checkpoint found", LATEST_FILE, root)
     failures: list[str] = []
+    reasons: list[str] = []
+    invalid: list[Path] = []
+    warnings: list[tuple[str, tuple]] = []  # logged unless the caller gets them all in one refusal instead
     for e in entries:
         try:
             step, state = load_checkpoint(e.path, map_location=map_location)
         except CheckpointError as exc:
-            logger.warning("skipping invalid checkpoint: %s", exc)
+            warnings.append(("skipping invalid checkpoint: %s", (exc,)))
             failures.append(e.path.name)
+            reasons.append(f"{e.path.name}: {str(exc).split(': ', 1)[-1][:160]}")
+            invalid.append(e.path)
             continue
         if step != e.step:
-            logger.warning("skipping checkpoint %s: meta.json says step %d", e.path, step)
+            warnings.append(("skipping checkpoint %s: meta.json says step %d", (e.path, step)))
             failures.append(e.path.name)
+            reasons.append(f"{e.path.name}: meta.json says step {step}")
+            invalid.append(e.path)
             continue
+        for msg, args in warnings:
+            logger.warning(msg, *args)
+        if set_aside_invalid and invalid:
+            _set_aside_invalid(root, invalid)
         if latest_step is not None and (failures or e.path.name != latest_name):
             logger.warning(
                 "latest checkpoint %s is not usable (%s); falling back to %s",
@@ -376,9 +434,29 @@ def load_latest_checkpoint(run_dir: PathLike, *, map_location: Any = "cpu") -> t
                 e.path.name,
             )
         return step, state
+    if refuse_all_invalid and reasons:
+        raise CheckpointsUnusable(
+            f"every checkpoint of {Path(run_dir)} is unusable ({'; '.join(reasons)}); they are kept as they are. "
+            "To start this trial over use recover.mode=disabled (its checkpoints are set aside, not deleted), or use "
+            "a new trial_name")
+    for msg, args in warnings:
+        logger.warning(msg, *args)
     if latest_name is not None:
         logger.warning("checkpoint pointer names %s but no valid checkpoint was found in %s", latest_name, root)
     return None
+
+
+def _set_aside_invalid(root: Path, paths: list[Path]) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for path in paths:
+        aside = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{stamp}")
+        try:
+            os.replace(path, aside)
+        except OSError as exc:  # pragma: no cover - a read-only directory: leave it, the loader skips it again
+            logger.warning("could not set aside invalid checkpoint %s: %s", path, exc)
+            continue
+        logger.warning("invalid checkpoint %s set aside as %s (kept, never pruned)", path.name, aside.name)
+    fsync_dir(root)
 
 
 # ------------------------------------------------------------------------------------------------------------ RNG

@@ -19,8 +19,10 @@ from stalerl.training.actor import Actor
 from stalerl.training.advantage import grpo_advantages, shaped_rewards
 from stalerl.training.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
+from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
+from stalerl.data.fit import check_data_fits
 from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary
 from stalerl.core.model import PromptFormatter, load_policy_from_config, resolve_device
 from stalerl.core.reward import gsm8k_reward
@@ -119,6 +121,7 @@ class Trainer:
         # Data first: a wrong path fails before the model is built.
         self.train_examples = self._load_split(cfg.train_dataset, "train_dataset")
         self.valid_examples = self._load_split(cfg.valid_dataset, "valid_dataset")
+        check_data_fits(cfg, self.train_examples, self.valid_examples)  # before the model: one line, exit 2
 
         self.device = resolve_device(cfg.actor.device)
         self.model, self.tokenizer = load_policy_from_config(cfg)
@@ -126,6 +129,8 @@ class Trainer:
         self.train_examples = self._filter_by_prompt_tokens(self.train_examples, cfg.train_dataset, "train_dataset")
         self.valid_examples = self._filter_by_prompt_tokens(self.valid_examples, cfg.valid_dataset,
                                                             "valid_dataset")[:cfg.evaluator.n_prompts]
+        check_data_fits(cfg, self.train_examples, self.valid_examples, stage="after dropping prompts longer than "
+                        "train_dataset.max_length / valid_dataset.max_length tokens", evaluation_size=False)
         self.dataset = PromptDataset(self.train_examples, batch_size=cfg.train_dataset.batch_size,
                                      shuffle=cfg.train_dataset.shuffle, drop_last=cfg.train_dataset.drop_last,
                                      seed=cfg.seed)
@@ -272,11 +277,14 @@ class Trainer:
         self.tasks_generated = int(state["tasks_generated"])
         restore_rng_state(state["rng"])
 
+    resume_rows: Optional[list] = None  # set by maybe_recover: the metrics lines its checkpoint recorded
+
     def maybe_recover(self) -> Optional[int]:
         mode = self.cfg.recover.mode
         if mode == "disabled":
             return None
-        found = load_latest_checkpoint(self.run_dir)
+        # Every checkpoint unusable: refuse (never a silent fresh start); damaged ones skipped are set aside, kept.
+        found = load_latest_checkpoint(self.run_dir, refuse_all_invalid=True, set_aside_invalid=True)
         if found is None:
             if mode == "resume":
                 raise UserError(f"recover.mode=resume but no checkpoint under {self.run_dir / 'checkpoints'}; "
@@ -288,6 +296,7 @@ class Trainer:
                             f"{self.total_steps}: nothing to train. Raise total_train_steps to extend it, use a new "
                             "trial_name, or recover.mode=disabled to start over")
         self.restore(state)
+        self.resume_rows = state.get("metrics_rows")  # its step's metrics lines, should the file have lost them
         self.log(f"resumed from checkpoint at step {step} ({self.run_dir})")
         return step
 
@@ -297,7 +306,9 @@ class Trainer:
         resumed = self.maybe_recover()
         if resumed is None:
             self._set_aside_previous_metrics()
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed,
+                               resume_rows=self.resume_rows, log=self.log)
+        self.metrics_logger = logger
         if not self.warm_start_done:
             summary = self.run_warm_start()
             self.warm_start_done = True
@@ -309,6 +320,11 @@ class Trainer:
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
         self.on_training_start()
+        with interrupt.deferred():  # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt)
+            return self._train_steps(logger, resumed)
+
+    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int]) -> dict[str, Any]:
+        cfg = self.cfg
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
@@ -335,8 +351,11 @@ class Trainer:
             progress.update(step, last)
             if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
                 self.log(format_summary(step, last, SUMMARY_KEYS))
-            if cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
+            saved = cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0
+            if saved:
                 self.save_checkpoint()
+            if interrupt.stop_requested() is not None and step < self.total_steps:
+                self._stop_for_signal(logger, progress, saved=bool(saved))
         progress.close()
         logger.close()
         if cfg.recover.mode != "disabled" and resumed != self.step and self.step % cfg.recover.freq_steps:
@@ -347,6 +366,17 @@ class Trainer:
                                  steps_per_epoch=self.steps_per_epoch())
         return last
 
+    def _stop_for_signal(self, logger: MetricsLogger, progress: Progress, *, saved: bool) -> None:
+        """A SIGTERM/SIGINT arrived during this step: checkpoint it (the same checkpoint a periodic one of this step
+        is, so a resume continues exactly), then stop with RunInterrupted."""
+        progress.close()
+        logger.close()
+        if self.cfg.recover.mode == "disabled":
+            raise interrupt.stop_now(step=self.step, note="no final checkpoint (recover.mode=disabled)")
+        if not saved:
+            self.save_checkpoint()
+        raise interrupt.stop_now(step=self.step, checkpoint_step=self.step)
+
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(self.cfg, len(self.train_examples))
 
@@ -354,8 +384,10 @@ class Trainer:
         """An atomic checkpoint of this step; its meta.json records the config and step plan for the next run."""
         meta = {"config": trial_dir.config_dict(self.cfg), "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch()}
-        save_checkpoint(self.run_dir, self.step, self.checkpoint_state(), keep_last=self.cfg.recover.keep_last,
-                        meta_extra=meta)
+        state = self.checkpoint_state()
+        logger = getattr(self, "metrics_logger", None)
+        state["metrics_rows"] = logger.rows_of(self.step) if logger is not None else []
+        save_checkpoint(self.run_dir, self.step, state, keep_last=self.cfg.recover.keep_last, meta_extra=meta)
 
     def on_training_start(self) -> None:
         """Hook after warm start or restore, before the first step (the async trainer syncs its workers here)."""

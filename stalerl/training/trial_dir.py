@@ -172,3 +172,81 @@ def _set_aside(run_dir: Path, has_checkpoints: bool, finished: bool, log) -> Non
         log(f"recover.mode=disabled: starting {run_dir} over; its previous checkpoints moved to {aside}")
     if finished:
         (run_dir / FINISHED_FILE).rename(run_dir / f"finished.{stamp}.json")
+
+
+# ----------------------------------------------------------------------------------------------------- the lock
+LOCK_FILE = ".lock"
+
+
+class TrialLock:
+    """An exclusive OS lock (``fcntl.flock``) on ``<run_dir>/.lock``, held by the run for its whole life.
+
+    The kernel drops the lock when the holder's file descriptor closes, also when the process is SIGKILLed, so a
+    lock left by a dead run is stale by construction and the next run simply takes it. The file's text (pid, host,
+    start time, command) only names the holder in the refusal; it is never trusted for the decision. Descriptors are
+    not inherited by the run's worker processes (Python opens them close-on-exec), so only the controller holds it.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def acquire(self, ways_out: str) -> "TrialLock":
+        import fcntl
+        import os
+        import socket
+        import sys
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_text(fd)
+            os.close(fd)
+            raise UserError(f"trial {self.run_dir} is in use by another run ({holder}); wait for it to end or stop "
+                            f"it (its lock is released when it exits, also if killed), or {ways_out}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        import os
+
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing drops the flock; the file stays (deleting it would race with a new holder)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "TrialLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder_text(fd: int) -> str:
+    import os
+
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "holder unknown"
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}"
+
+
+def lock_trial(cfg: Any, run_dir: Path) -> TrialLock:
+    """Take the trial's lock or refuse (``UserError``) naming the holder and the ways out."""
+    return TrialLock(run_dir).acquire(f"use a new trial_name (e.g. trial_name={cfg.trial_name}-2)")

@@ -122,3 +122,48 @@ def test_sweep_2x2_runs_concurrently_on_ray(tmp_path):
         assert "== run finished" in (tmp_path / "runs" / "gsm8k-m2po-cpu" / trial / "logs" / "console.log").read_text()
     assert summary.count("| ok |") == 4
     assert "pid=" not in res.stdout + res.stderr
+
+
+def _sigterm_after_steps(cmd, run, steps):
+    """Start ``cmd``, SIGTERM its driver once ``steps`` train steps are logged; (returncode, stdout, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if len(read_metrics(run)) > steps:
+                    break
+            except FileNotFoundError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("trial, extra", [
+    ("ray-async-term", {"rollout.max_head_offpolicyness": 1}),  # the controller is the driver; actors are stopped
+    # not yet: the sync loop as a Ray task (a signal raised inside ray.wait becomes a SystemError in the driver)
+])
+def test_sigterm_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial, extra):
+    import json
+
+    cmd = _cmd(tmp_path, trial, **{"total_train_steps": 40, "recover.mode": "auto", "recover.freq_steps": 50,
+                                   **extra})
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / trial
+    code, out, err = _sigterm_after_steps(cmd, run, 2)
+    lines = [ln for ln in err.splitlines() if ln.startswith("stalerl: ")]
+    assert code == 143, err[-3000:]
+    assert len(lines) == 1 and "interrupted by SIGTERM at step" in lines[0] and "final checkpoint of step" in lines[0]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted"]["signal"] == "SIGTERM"
+    step = s["interrupted"]["checkpoint_step"]
+    assert (run / "checkpoints" / f"step_{step}").is_dir() and step < 40
+    assert [r["step"] for r in read_metrics(run)] == list(range(step + 1))
+    assert "Traceback" not in err and "worker" not in err

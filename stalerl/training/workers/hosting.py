@@ -46,13 +46,68 @@ class LocalHosting:
 
     def share(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fresh shared-memory copies per version: a worker never reads a buffer that is being overwritten."""
-        return {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state.items()}
+        try:
+            return {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state.items()}
+        except RuntimeError as exc:
+            if "shared memory" not in str(exc) and "No space left" not in str(exc):
+                raise
+            remove_own_shm_segments()  # torch leaves the segment it could not size behind
+            raise shm_error(state_bytes(state), "ran out while publishing weights") from exc
+
+    def check_shared_memory(self, state: dict[str, torch.Tensor]) -> None:
+        """Before any work: /dev/shm must hold SHM_COPIES copies of the weights (the version being published and the
+        one a worker may still be reading), or the run is refused naming rollout.weight_sync=disk."""
+        need = SHM_COPIES * state_bytes(state)
+        free = shm_free_bytes()
+        if free is not None and free < need:
+            raise shm_error(state_bytes(state), f"has {free / 2**20:.1f} MiB free")
 
     def host_address(self) -> str:
         return "127.0.0.1"
 
     def close(self) -> None:
         pass
+
+
+SHM_DIR = "/dev/shm"
+SHM_COPIES = 2
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+def shm_free_bytes() -> Optional[int]:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:  # no /dev/shm (not Linux): torch finds its own way, nothing to check
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def shm_error(weights: int, what: str) -> UserError:
+    from stalerl.core.errors import ResourceError
+
+    return ResourceError(
+        f"rollout.weight_sync=shared_memory needs about {SHM_COPIES * weights / 2**20:.1f} MiB in {SHM_DIR} "
+        f"({SHM_COPIES} copies of the {weights / 2**20:.1f} MiB of weights) and {SHM_DIR} {what}; use "
+        f"rollout.weight_sync=disk (weights through files in the run directory), or enlarge {SHM_DIR} (e.g. docker "
+        "run --shm-size=...)")
+
+
+def remove_own_shm_segments() -> None:
+    """torch names its segments torch_<pid>_...; remove this process's (a failed allocation leaves one)."""
+    prefix = f"torch_{os.getpid()}_"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------------------------------- Ray
@@ -80,6 +135,11 @@ def init_ray(address: Optional[str] = None, *, log_to_driver: bool = True) -> bo
 
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)
+    from stalerl.core.interrupt import current
+
+    stop = current()
+    if stop is not None:  # ray.init installs a SIGTERM handler that aborts the driver: the run's own comes back
+        stop.reinstall()
     return True
 
 
@@ -94,6 +154,10 @@ class _RayWorkerHost:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
+        import signal
+
+        # Ctrl-C reaches a terminal's whole process group, Ray's workers too: only the controller stops the run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.role = role
         self.worker = getattr(importlib.import_module(module), cls_name)(**kwargs)
 

@@ -60,10 +60,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def ignore_stop_signals() -> None:
+    """A worker ignores SIGINT and SIGTERM: Ctrl-C reaches a terminal's whole process group and Slurm signals every
+    process of a job, but only the controller decides how the run stops (stalerl.core.interrupt); it then stops its
+    workers, and a worker whose controller is gone gets SIGKILL (_die_with_parent)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, results, log_path: str,
                 parent_pid: int, env: dict[str, str]) -> None:
     os.environ.update(env)  # e.g. CUDA_VISIBLE_DEVICES: before the worker initialises CUDA
     _die_with_parent()
+    ignore_stop_signals()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     log = open(log_path, "a", buffering=1)
@@ -152,10 +163,7 @@ class WorkerProcess:
             except Exception:  # noqa: BLE001
                 pass
             self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
+        if self.process.is_alive():  # (SIGTERM is ignored by workers: see ignore_stop_signals)
             self.process.kill()
             self.process.join(5)
         self.commands.cancel_join_thread()

@@ -1,0 +1,177 @@
+"""SIGTERM and SIGINT stop a run cleanly (torch-free; installed by the launcher in the run's main thread).
+
+What Slurm's scancel, Kubernetes, Ray and a shell's ``kill`` send first is SIGTERM; Ctrl-C is SIGINT. Either one:
+
+- during the training steps, asks the loop to stop at the end of the step in progress: the loop then writes a final
+  checkpoint of that step (when checkpoints are on) and raises :class:`RunInterrupted`. If the step and that
+  checkpoint have not finished within :data:`GRACE_S` seconds (``STALERL_STOP_GRACE_S``), or a second signal arrives
+  at least a second after the first, the run stops at once instead, without the final checkpoint: the previous one
+  is intact (checkpoints are atomic), so a resume repeats at most the steps since it;
+- anywhere else (start-up, the warm start, worker start, the end of the run) stops at once.
+
+The launcher writes ``summary.json`` with ``status: interrupted`` and the signal, the command line prints one line
+and exits with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a process killed by it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+GRACE_ENV = "STALERL_STOP_GRACE_S"
+GRACE_S = 20.0  # below the 30 s a Slurm KillWait or a Kubernetes termination grace gives by default
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_REPEAT_S = 1.0  # a signal repeated within this is the same request (scancel signals the job and its shell forwards)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class RunInterrupted(BaseException):
+    """The run was stopped by a signal. A BaseException (like KeyboardInterrupt), so no ``except Exception`` on the way
+    up swallows it. ``checkpoint_step``: the step of the final checkpoint written on the way out, if any."""
+
+    def __init__(self, signum: int, *, step: Optional[int] = None, checkpoint_step: Optional[int] = None,
+                 note: str = ""):
+        self.signum = int(signum)
+        self.step = step
+        self.checkpoint_step = checkpoint_step
+        self.note = note
+        super().__init__(self.message())
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal_name(self.signum)
+
+    def message(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        if self.checkpoint_step is not None:
+            saved = f"final checkpoint of step {self.checkpoint_step} written; the same command resumes from it"
+        else:
+            saved = self.note or "no final checkpoint (the last one written, if any, is intact)"
+        return f"interrupted by {self.signal_name}{where}; {saved}"
+
+    def record(self) -> dict[str, Any]:
+        """What summary.json records about the interruption."""
+        return {"signal": self.signal_name, "signum": self.signum, "step": self.step,
+                "checkpoint_step": self.checkpoint_step}
+
+
+class StopRequests:
+    """Handlers for SIGTERM/SIGINT for as long as a run lives in this process (``with StopRequests():``).
+
+    The training loop calls :meth:`defer` around its steps and :meth:`requested` at each step boundary. Only the
+    main thread can install handlers; elsewhere (e.g. a thread of a test) this is a no-op."""
+
+    current: Optional["StopRequests"] = None
+
+    def __init__(self, grace_s: Optional[float] = None):
+        self.grace_s = float(os.environ.get(GRACE_ENV, GRACE_S) if grace_s is None else grace_s)
+        self.signum: Optional[int] = None
+        self.first_at = 0.0
+        self.deferring = False
+        self.expired = False
+        self._previous: dict[int, Any] = {}
+        self._timer: Optional[threading.Timer] = None
+        self._installed = False
+
+    # ---------------------------------------------------------------- install
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+            self._installed = True
+            StopRequests.current = self
+        return self
+
+    def reinstall(self) -> None:
+        """Take the signals back from a library that installed its own handlers (Ray's driver aborts on SIGTERM)."""
+        if self._installed and threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._installed:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+            if StopRequests.current is self:
+                StopRequests.current = None
+            self._installed = False
+
+    # ---------------------------------------------------------------- signals
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum is not None:
+            if self.expired:
+                raise RunInterrupted(self.signum, note=f"the step did not end within {self.grace_s:g}s: stopped "
+                                                       "without a final checkpoint (the last one written, if any, "
+                                                       "is intact)")
+            if now - self.first_at < _REPEAT_S:
+                return  # the same request twice (e.g. from Slurm and from the job's shell)
+            raise RunInterrupted(self.signum, note="stopped at once by a second signal, without a final "
+                                                   "checkpoint (the last one written, if any, is intact)")
+        self.signum, self.first_at = signum, now
+        if not self.deferring:
+            raise RunInterrupted(signum)
+        print(f"stalerl: {signal_name(signum)} received: stopping after this step (at most {self.grace_s:g}s)",
+              flush=True)
+        self._timer = threading.Timer(self.grace_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        import _thread
+
+        self.expired = True
+        _thread.interrupt_main(self.signum)  # runs _handle in the main thread, which then raises
+
+    # ---------------------------------------------------------------- the loop's side
+    def requested(self) -> Optional[int]:
+        return self.signum
+
+
+def current() -> Optional[StopRequests]:
+    return StopRequests.current
+
+
+class deferred:
+    """``with deferred():`` a signal inside asks for a stop at the next :func:`stop_requested` check instead of
+    stopping at once (the training steps)."""
+
+    def __enter__(self) -> "deferred":
+        self.stop = StopRequests.current
+        if self.stop is not None:
+            self.was, self.stop.deferring = self.stop.deferring, True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stop is not None:
+            self.stop.deferring = self.was
+
+
+def stop_requested() -> Optional[int]:
+    """The signal that asked this run to stop, or None."""
+    stop = StopRequests.current
+    return None if stop is None else stop.requested()
+
+
+def stop_now(signum: Optional[int] = None, **kwargs: Any) -> RunInterrupted:
+    stop = StopRequests.current
+    if stop is not None and stop._timer is not None:
+        stop._timer.cancel()
+    return RunInterrupted(signum if signum is not None else (stop_requested() or signal.SIGTERM), **kwargs)
+
+
