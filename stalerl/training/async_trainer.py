@@ -33,6 +33,7 @@ from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, par
 from stalerl.core.io import atomic_torch_save
 from stalerl.rollout.admission import StalenessManager
 from stalerl.rollout.batch import concat_batches
+from stalerl.training.mismatch import fresh_rows
 from stalerl.training.staleness import staleness_stats
 from stalerl.training.trainer import Trainer
 from stalerl.training.workers.hosting import make_hosting, worker_resources
@@ -86,9 +87,14 @@ class AsyncTrainer(Trainer):
         self.loaded_version: dict[str, int] = {}
         self.weight_files: dict[int, Any] = {}
         self.slow_trainer = os.environ.get(SLOW_TRAINER_ENV, "") not in ("", "0")
+        # Evaluation runs on a rollout worker (see evaluate): versions requested, in order; sent; finished results
+        self.eval_requested: list[int] = []
+        self.eval_sent: dict[int, tuple[str, float]] = {}  # version -> (worker role, time sent)
+        self.eval_done: dict[int, dict[str, Any]] = {}
+        self._probe_actor = None  # fsdp:dY: an unsharded actor on rank 0's copy for the mismatch probe
 
     def _rollout_in_workers(self) -> bool:
-        return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
+        return True  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
@@ -263,6 +269,8 @@ class AsyncTrainer(Trainer):
                     for _, state in out["results"]:  # reward/generated: at generation end, not consumption
                         self.counters["gen_reward_sum"] += float(state["rewards"].sum())
                         self.counters["gen_reward_n"] += len(state["rewards"])
+                elif isinstance(out, dict) and "eval" in out:  # an evaluation (see evaluate)
+                    self.eval_done[out["eval"]["version"]] = out["eval"]
                 else:  # a weight load
                     self.counters["sync_seconds"] += out["seconds"]
                     self.loaded_version[role] = out["version"]
@@ -372,7 +380,57 @@ class AsyncTrainer(Trainer):
         with self.cond:
             self.publish_weights()
             self.weights_published = True
+            self._send_evaluations()  # evaluator.at_start, requested before the first weights existed
             self.cond.notify_all()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Non-blocking: the evaluation of the current weights (version = self.step) is queued to a rollout worker
+        right behind those weights and runs there (HF or vLLM engine, the same evaluate_engine and eval_gconfig as
+        the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. The result
+        is logged as its own line for this step when it arrives (log_finished_evaluations); the end of training
+        waits for all of them. Returns {} (nothing to add to this step's line now)."""
+        with self.cond:
+            if self.step not in self.eval_requested:
+                self.eval_requested.append(self.step)
+            if self.weights_published:
+                self._send_evaluations()
+        return {}
+
+    def _send_evaluations(self) -> None:
+        """Under self.cond. Each requested version goes to the least loaded rollout worker, after that worker was
+        sent the weights of that version (commands are served in order, so it evaluates exactly those)."""
+        for version in self.eval_requested:
+            if version in self.eval_sent:
+                continue
+            if self.latest_weights is None or self.latest_weights[0] != version:
+                raise RuntimeError(f"evaluation of version {version} requested, but the published weights are "
+                                   f"version {None if self.latest_weights is None else self.latest_weights[0]}")
+            w = min(self.rollout_workers, key=lambda w: (self.outstanding[w.role], w.role))
+            self._send_latest_weights(w)
+            g = self.cfg.eval_gconfig
+            settings = {k: getattr(g, k) for k in ("n_samples", "max_new_tokens", "temperature", "top_p", "top_k",
+                                                   "greedy")}
+            w.call("evaluate", version, [(e.question, e.final) for e in self.valid_examples], settings,
+                   self.cfg.valid_dataset.batch_size)
+            self.eval_sent[version] = (w.role, time.perf_counter())
+
+    def log_finished_evaluations(self, logger, *, wait: bool) -> None:
+        """Log finished evaluations in version order, each as its own line at the step it evaluated."""
+        if wait and self.eval_requested:
+            self._wait(lambda: all(v in self.eval_done for v in self.eval_requested), "evaluations to finish")
+        with self.cond:
+            ready = []
+            while self.eval_requested and self.eval_requested[0] in self.eval_done:
+                version = self.eval_requested.pop(0)
+                role, sent = self.eval_sent.pop(version)
+                ready.append((version, role, sent, self.eval_done.pop(version)))
+        for version, role, sent, res in ready:
+            row = {"eval/accuracy": res["accuracy"], "eval/seconds": res["seconds"],
+                   "eval/latency_s": time.perf_counter() - sent, "eval/trainer_step_at_log": float(self.step)}
+            logger.log(version, row)
+            self.log(f"eval (step {version}, on {role}, {res['seconds']:.1f}s while training went on to step "
+                     f"{self.step}): accuracy {res['accuracy']:.4g}")
 
     def _collect_train_replies(self, what: str) -> list:
         roles = [w.role for w in self.train_workers]
@@ -403,6 +461,7 @@ class AsyncTrainer(Trainer):
         stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
         assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
         advantages = self.advantages(batch)
+        mismatch = self._probe_fresh(batch)
         t1 = time.perf_counter()
         metrics = self._update(batch, advantages)
         t_train = time.perf_counter() - t1
@@ -423,9 +482,32 @@ class AsyncTrainer(Trainer):
             "version": float(self.step),
         })
         metrics.update(self.batch_metrics(batch))
+        metrics.update(mismatch)
         if counters["gen_reward_n"]:  # samples finished generating since the last step
             metrics["reward/generated"] = counters["gen_reward_sum"] / counters["gen_reward_n"]
         return metrics
+
+    def _probe_fresh(self, batch) -> dict[str, float]:
+        """stalerl.training.mismatch on the consumed samples the current weights generated (all of step 0's): those
+        are fresh, so their log-ratio is the engine mismatch alone. Before the update, on rank 0 only."""
+        self._probe_seconds = 0.0
+        if not self._mismatch_due():
+            return {}
+        rows = fresh_rows(batch.versions, batch.response_mask, self.step)
+        if not rows:
+            return {}
+        self._mismatch_step = self.step
+        actor = self.actor
+        if self.fsdp:  # the sharded actor's forward is a collective; rank 0's unsharded copy holds the same weights
+            if self._probe_actor is None:
+                from stalerl.training.actor import Actor
+
+                self._probe_actor = Actor(self.model, self.cfg.actor, temperature=self.cfg.gconfig.temperature,
+                                          total_updates=1)
+            actor = self._probe_actor
+        out = self.probe_mismatch(actor, batch.select(rows))
+        out["timing/mismatch_probe_s"] = self._probe_seconds
+        return out
 
     def _update(self, batch, advantages) -> dict[str, float]:
         if self.n_train == 1:
