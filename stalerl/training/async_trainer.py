@@ -54,6 +54,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class EvalMergingLogger:
+    """The asynchronous trainer's metrics logger: a step's row is held back while the evaluation of that step runs
+    on a rollout worker (training goes on meanwhile), then written with the evaluation merged in; rows behind it
+    wait too, so metrics.jsonl keeps one row per step in step order, exactly as the synchronous loop writes it.
+    Held rows are saved with a checkpoint (AsyncTrainer.checkpoint_state), so a resume loses none of them."""
+
+    def __init__(self, inner, held=None):
+        self.inner = inner
+        self.held: list[tuple[int, dict[str, Any]]] = list(held or [])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def log(self, step: int, metrics) -> None:
+        self.held.append((int(step), dict(metrics)))
+
+    def merge(self, step: int, metrics) -> None:
+        for s, row in self.held:
+            if s == step:
+                row.update(metrics)
+                return
+        self.inner.log(step, metrics)  # its row was written already (cannot happen while it is held; never lost)
+
+    def write_ready(self, pending) -> None:
+        """Write held rows from the front while their step has no pending evaluation."""
+        while self.held and self.held[0][0] not in pending:
+            step, row = self.held.pop(0)
+            self.inner.log(step, row)
+
+    def close(self) -> None:
+        self.write_ready(set())  # e.g. a diverged run: what is held is written, without the missing evaluation
+        self.inner.close()
+
+
 class AsyncTrainer(Trainer):
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         super().__init__(cfg, log=log)
@@ -321,8 +355,15 @@ class AsyncTrainer(Trainer):
                 w.call("actor_state")
             actor_state = self.actor.state_dict()
             self._collect_train_replies("actor_state")
+        # Evaluations of older versions cannot be re-run after a resume (their weights are gone): wait for them; one
+        # of this very step can (the checkpoint holds its weights), so it is re-requested at resume instead.
+        self._wait(lambda: all(v in self.eval_done or v == self.step for v in self.eval_requested),
+                   "evaluations of earlier steps before the checkpoint")
+        if getattr(self, "eval_logger", None) is not None:
+            self.log_finished_evaluations(self.eval_logger, wait=False)
         with self.cond:
             state = super().checkpoint_state(actor_state)
+            state["metric_rows_held"] = list(self.eval_logger.held) if getattr(self, "eval_logger", None) else []
             state["manager"] = self.manager.state_dict()
             state["prompts"] = list(self.prompts)
             state["dataset"] = self.dataset.state_dict()
@@ -330,6 +371,10 @@ class AsyncTrainer(Trainer):
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
+        # Rows held back for an evaluation of the checkpoint's step: written once it is re-run (see wrap_logger)
+        self._restored_rows = [(int(step), dict(row)) for step, row in state.get("metric_rows_held", [])]
+        if any(step == self.step for step, _ in self._restored_rows):
+            self.eval_requested = [self.step]
         self.prompts = deque(state["prompts"])
         self.tasks_to_resubmit = self.manager.load_state_dict(state["manager"])
 
@@ -387,9 +432,9 @@ class AsyncTrainer(Trainer):
     def evaluate(self) -> dict[str, float]:
         """Non-blocking: the evaluation of the current weights (version = self.step) is queued to a rollout worker
         right behind those weights and runs there (HF or vLLM engine, the same evaluate_engine and eval_gconfig as
-        the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. The result
-        is logged as its own line for this step when it arrives (log_finished_evaluations); the end of training
-        waits for all of them. Returns {} (nothing to add to this step's line now)."""
+        the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. This step's
+        row is held back (EvalMergingLogger) and written with eval/accuracy once the result arrives; the end of
+        training waits for all of them. Returns {} (nothing to add to the row now)."""
         with self.cond:
             if self.step not in self.eval_requested:
                 self.eval_requested.append(self.step)
@@ -415,22 +460,37 @@ class AsyncTrainer(Trainer):
                    self.cfg.valid_dataset.batch_size)
             self.eval_sent[version] = (w.role, time.perf_counter())
 
+    def wrap_logger(self, logger):
+        held = getattr(self, "_restored_rows", None) or []
+        if held and logger.path.is_file():  # rows written after that checkpoint was taken are there already
+            from stalerl.results.metrics_log import read_metrics
+
+            written = {r["step"] for r in read_metrics(logger.path)}
+            held = [(step, row) for step, row in held if step not in written]
+        self._restored_rows = None
+        with self.cond:
+            self.eval_requested = [v for v in self.eval_requested if any(step == v for step, _ in held)]
+        self.eval_logger = EvalMergingLogger(logger, held)
+        return self.eval_logger
+
     def log_finished_evaluations(self, logger, *, wait: bool) -> None:
-        """Log finished evaluations in version order, each as its own line at the step it evaluated."""
+        """Merge finished evaluations into their step's held row, then write every held row whose evaluation is
+        not pending (rows stay in step order, one per step, as in the synchronous loop)."""
         if wait and self.eval_requested:
             self._wait(lambda: all(v in self.eval_done for v in self.eval_requested), "evaluations to finish")
         with self.cond:
-            ready = []
-            while self.eval_requested and self.eval_requested[0] in self.eval_done:
-                version = self.eval_requested.pop(0)
-                role, sent = self.eval_sent.pop(version)
-                ready.append((version, role, sent, self.eval_done.pop(version)))
-        for version, role, sent, res in ready:
-            row = {"eval/accuracy": res["accuracy"], "eval/seconds": res["seconds"],
-                   "eval/latency_s": time.perf_counter() - sent, "eval/trainer_step_at_log": float(self.step)}
-            logger.log(version, row)
+            done = {}
+            for v in [v for v in self.eval_requested if v in self.eval_done]:
+                self.eval_requested.remove(v)
+                role, sent = self.eval_sent.pop(v)
+                done[v] = (role, sent, self.eval_done.pop(v))
+            pending = set(self.eval_requested)
+        for version, (role, sent, res) in sorted(done.items()):
+            logger.merge(version, {"eval/accuracy": res["accuracy"], "eval/seconds": res["seconds"],
+                                   "eval/latency_s": time.perf_counter() - sent})
             self.log(f"eval (step {version}, on {role}, {res['seconds']:.1f}s while training went on to step "
                      f"{self.step}): accuracy {res['accuracy']:.4g}")
+        logger.write_ready(pending)
 
     def _collect_train_replies(self, what: str) -> list:
         roles = [w.role for w in self.train_workers]

@@ -239,9 +239,14 @@ class Trainer:
                               self.cfg.valid_dataset.batch_size)
         return {"eval/accuracy": out["accuracy"]}
 
+    def wrap_logger(self, logger: MetricsLogger) -> MetricsLogger:
+        """The metrics logger the loop writes through (the asynchronous trainer holds rows back until their
+        evaluation, which runs on a rollout worker, has finished). Here: the logger itself."""
+        return logger
+
     def log_finished_evaluations(self, logger: MetricsLogger, *, wait: bool) -> None:
-        """Evaluations that finish after their step was logged (asynchronous runs) get their own line for that
-        step; ``wait``: the end of training, every requested evaluation is waited for. Nothing to do here."""
+        """Write what evaluations that finished since the last call complete; ``wait``: the end of training, every
+        requested evaluation is waited for. Nothing to do here: this loop evaluates in place."""
 
     def run_warm_start(self) -> dict[str, float]:
         """The supervised warm start; adaptive (warm_start.target_accuracy > 0) on a held-out training slice."""
@@ -319,7 +324,8 @@ class Trainer:
         resumed = self.maybe_recover()
         if resumed is None:
             self._set_aside_previous_metrics()
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard, resume_step=resumed)
+        logger = self.wrap_logger(MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard,
+                                                resume_step=resumed))
         if not self.warm_start_done:
             summary = self.run_warm_start()
             self.warm_start_done = True
