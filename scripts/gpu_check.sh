@@ -40,16 +40,37 @@ mkdir -p "$WORK"
 cd "$REPO"
 START=$SECONDS
 fail() { echo "gpu_check: FAIL $*" >&2; exit 1; }
+# First line: whether the carried wheels are here (.whl/ is git-ignored, so a copy of the tracked files lacks it)
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  echo "gpu_check: wheels: $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')in $WHEELS"
+else
+  echo "gpu_check: wheels: $WHEELS is MISSING (git-ignored): run bash scripts/prepare_gpu_wheels.sh where pip reaches" \
+       "PyPI and carry .whl/ with the repository (needed when the image lacks omegaconf)"
+fi
 
 # ---------------------------------------------------------------------------------------------- 1. environment
 if [ "${STALERL_CHECK_FORCE_WHEELS:-0}" = 1 ] || ! "$PY" -c "import omegaconf" 2>/dev/null; then
   ls "$WHEELS"/*.whl >/dev/null 2>&1 \
     || fail "omegaconf is not importable and $WHEELS holds no wheels: run bash scripts/prepare_gpu_wheels.sh" \
             "where pip reaches PyPI, and carry .whl/ along"
-  "$PY" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$WHEELS"/*.whl \
-    || fail "installing $WHEELS/*.whl into $WORK/pydeps"
+  # The wheels are pure Python (py3-none-any): without pip (or with STALERL_CHECK_NO_PIP=1) they are unpacked,
+  # which is all such an install does.
+  if [ "${STALERL_CHECK_NO_PIP:-0}" != 1 ] && "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$WHEELS"/*.whl \
+      || fail "installing $WHEELS/*.whl into $WORK/pydeps"
+    HOW=installed
+  else
+    "$PY" - "$WORK/pydeps" "$WHEELS"/*.whl <<'PYEOF' || fail "unpacking $WHEELS/*.whl into $WORK/pydeps"
+import sys, zipfile
+for whl in sys.argv[2:]:
+    if not whl.endswith(("-py3-none-any.whl", "-py2.py3-none-any.whl")):
+        sys.exit(f"gpu_check: {whl} is not a pure-Python wheel; unpacking it is not an install")
+    zipfile.ZipFile(whl).extractall(sys.argv[1])
+PYEOF
+    HOW="unpacked (no pip)"
+  fi
   export PYTHONPATH="$WORK/pydeps:$PYTHONPATH"
-  echo "gpu_check: installed $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')into $WORK/pydeps"
+  echo "gpu_check: $HOW $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')into $WORK/pydeps"
 fi
 "$PY" - "$DEVICE" <<'PYEOF' || fail "environment (above)"
 import importlib, platform, sys
@@ -105,7 +126,7 @@ if [ "$RC" -ne 0 ]; then
   tail -20 "$LOG" | sed 's/^/    /' >&2
 fi
 "$PY" scripts/gpu_check_report.py "$RUN" --steps "$STEPS" --exit-code "$RC" --device "$DEVICE" \
-  --nvidia-smi "$WORK/nvidia-smi.csv" --out "$WORK/gpu_check_report.json" || REAL_OK=0
+  --nvidia-smi "$WORK/nvidia-smi.csv" --log "$LOG" --out "$WORK/gpu_check_report.json" || REAL_OK=0
 if [ -n "${STALERL_CHECK_REPORT:-}" ] && [ -f "$WORK/gpu_check_report.json" ]; then
   cp "$WORK/gpu_check_report.json" "$STALERL_CHECK_REPORT"
 fi

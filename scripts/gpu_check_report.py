@@ -32,6 +32,10 @@ STEP_KEYS = {  # report name: metrics.jsonl key
     "micro_batches": "actor/num_micro_batches",
     "loss": "actor/loss",
     "grad_norm": "actor/grad_norm",
+    # engine mismatch on fresh data (stats_logger.mismatch_freq_steps; the probe at step 0 lands in step 1's row)
+    "mismatch_abs_mean": "mismatch/abs_mean",
+    "mismatch_m2": "mismatch/m2",
+    "weight_sync_s": "timing/weight_sync_s",  # vLLM engines only (part of generation_s)
 }
 PEAK_KEYS = ("memory/gpu_peak_allocated_gib", "memory/gpu_peak_reserved_gib", "memory/peak_rss_gib")
 
@@ -67,15 +71,27 @@ def nvidia_smi_peak_mib(path: Optional[Path]) -> Optional[float]:
     return max(values) if values else None
 
 
+def weight_sync_path(log_text: Optional[str]) -> str:
+    """The weight-sync path the run's log names ("vLLM weight sync: <path> (<why>)"), else what an HF engine does."""
+    import re
+
+    m = re.search(r"vLLM weight sync: (\S+) \(([^)]*)\)", log_text or "")
+    if m:
+        return f"{m.group(1)} ({m.group(2)})"
+    return "none: the HF engine generates with the trainer's own module"
+
+
 def build_report(rows: list[dict[str, Any]], *, steps: int, exit_code: int, device: str,
-                 smi_peak_mib: Optional[float]) -> dict[str, Any]:
+                 smi_peak_mib: Optional[float], log_text: Optional[str] = None) -> dict[str, Any]:
     trained = [r for r in rows if r.get("step", 0) > 0]
     per_step = [{"step": r["step"], **{name: r.get(key) for name, key in STEP_KEYS.items()}} for r in trained]
     peaks = {key.split("/", 1)[1]: max((r[key] for r in trained if key in r), default=None) for key in PEAK_KEYS}
     problems = ([f"run exited with code {exit_code}"] if exit_code else []) + check_rows(rows, steps)
     return {"device": device, "steps": steps, "ok": not problems, "problems": problems, "per_step": per_step,
             "peak_memory_gib": {k: v for k, v in peaks.items() if v is not None},
-            "nvidia_smi_peak_mib": smi_peak_mib}
+            "nvidia_smi_peak_mib": smi_peak_mib, "weight_sync_path": weight_sync_path(log_text),
+            "mismatch_step0": next(({k: r[k] for k in r if k.startswith("mismatch/")} for r in trained
+                                    if "mismatch/m2" in r), None)}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -90,6 +106,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  " + "  ".join(f"{c:>12.4g}" if isinstance(c, (int, float)) else f"{'-':>12}" for c in cells))
     peaks = ", ".join(f"{k} {v:.2f} GiB" for k, v in report["peak_memory_gib"].items()) or "not logged"
     lines.append(f"  peak memory: {peaks}")
+    lines.append(f"  weight sync: {report.get('weight_sync_path')}")
+    mm = report.get("mismatch_step0")
+    lines.append("  engine mismatch at step 0 (trainer - engine log-prob on fresh data): "
+                 + (f"mean |d| {mm['mismatch/abs_mean']:.3g}, M2 {mm['mismatch/m2']:.3g}, max |d| "
+                    f"{mm['mismatch/max_abs']:.3g} over {mm['mismatch/tokens']:.0f} tokens" if mm else "not logged"))
     if report["nvidia_smi_peak_mib"] is not None:
         lines.append(f"  nvidia-smi peak memory.used: {report['nvidia_smi_peak_mib'] / 1024:.2f} GiB")
     return "\n".join(lines)
@@ -111,11 +132,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nvidia-smi", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--log", type=Path, default=None, help="the run's console log (names the weight-sync path)")
     args = ap.parse_args(argv)
     metrics = args.run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     report = build_report(rows, steps=args.steps, exit_code=args.exit_code, device=args.device,
-                          smi_peak_mib=nvidia_smi_peak_mib(args.nvidia_smi))
+                          smi_peak_mib=nvidia_smi_peak_mib(args.nvidia_smi),
+                          log_text=args.log.read_text(errors="replace") if args.log and args.log.is_file() else None)
     if not rows:
         report["problems"].append(f"no metrics at {metrics}")
         report["ok"] = False

@@ -210,3 +210,27 @@ def _mask_through_first_eos(ids: torch.Tensor, eos_id: Union[int, Sequence[int]]
     is_eos = torch.isin(ids, stops)
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # eos strictly before this position
     return eos_before == 0
+
+
+def evaluate_engine(engine: Any, examples: Sequence[Any], eval_gconfig: Any, batch_size: int) -> dict[str, Any]:
+    """The evaluation every loop runs (the synchronous trainer on its own engine, an asynchronous run on a rollout
+    worker's): ``examples`` (``.question``/``.final`` or ``(question, answer)`` pairs) in consecutive chunks of
+    ``batch_size`` prompts, ``eval_gconfig``'s sampling (greedy by default), rewards summed.
+
+    Returns ``correct`` (the summed rewards), ``n`` (prompts x samples), ``accuracy`` and ``digest``: a SHA-256 of
+    every generated text in order, so two evaluations can be shown to have generated exactly the same answers."""
+    import hashlib
+
+    pairs = [(e.question, e.final) if hasattr(e, "question") else (e[0], e[1]) for e in examples]
+    g = eval_gconfig
+    correct, digest = 0.0, hashlib.sha256()
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i:i + batch_size]
+        out = engine.generate([q for q, _ in chunk], [a for _, a in chunk], n_samples=g.n_samples,
+                              max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                              top_k=g.top_k, greedy=g.greedy)
+        correct += float(out.rewards.sum())
+        for text in out.texts:
+            digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    n = len(pairs) * g.n_samples
+    return {"correct": correct, "n": n, "accuracy": correct / max(1, n), "digest": digest.hexdigest()}

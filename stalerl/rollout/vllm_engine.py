@@ -5,10 +5,26 @@ prompt-major), behaviour log-probs of the sampled tokens from vLLM's *processed*
 top-p applied, i.e. the distribution the token was drawn from), and every token stamped with the version of the
 weights vLLM actually held while generating it (weights only change between two ``generate`` calls).
 
-Weights: the policy is written once as a Hugging Face directory (``config.json``, safetensors, the fast tokenizer)
-that vLLM starts from; every later update is loaded in place through ``collective_rpc`` into the model's own
-``load_weights`` (which maps HF names onto vLLM's fused layers), after which the prefix cache is reset so no KV
-computed with old weights is reused.
+Weights: the policy is written once as a Hugging Face directory (``config.json``, safetensors in the engine's dtype,
+the fast tokenizer) that vLLM starts from; every later update is loaded in place, by one of two paths chosen when the
+engine starts (:func:`choose_weight_sync`, named in the log):
+
+- ``ipc`` (CUDA, the synchronous loop: vLLM shares the trainer's GPU): vLLM's public weight-transfer API
+  (``WeightTransferConfig(backend="ipc")``, ``init_weight_transfer_engine`` / ``start_weight_update`` /
+  ``update_weights`` / ``finish_weight_update``, driven by its trainer-side ``IPCTrainerWeightTransferEngine`` over
+  a ``ModuleSource`` of the trainer's module). The trainer's parameters are exported as CUDA IPC handles and copied
+  by vLLM's worker straight into its own parameters on the same GPU: no host copy. CUDA IPC handles cannot be opened
+  in the process that exported them, so on this path vLLM's engine core runs in its own process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``; the trainer is a main process, so it may start one).
+- ``reload`` (the CPU build, whose worker has no weight-transfer engine; and asynchronous rollout workers on CUDA,
+  see :func:`choose_weight_sync`): the model runner's ``reload_weights`` through ``collective_rpc`` with a local
+  function (in-process engine), which maps HF names onto vLLM's fused layers.
+
+Both end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
+(``vllm/model_executor/model_loader/reload/layerwise.py``: ``_copy_and_restore_kernel_tensors``, "preserves cudagraph
+references"), so CUDA graphs captured at start keep reading the current weights: that is what makes
+``enforce_eager=false`` (the CUDA default) safe with in-place weight sync. The prefix cache is reset after every
+update so no KV computed with old weights is reused.
 
 Seeding: each prompt gets its own vLLM seed (vLLM gives sample j of a prompt ``seed + j``), derived from the task id
 like the HF engine's global seed, so a task samples the same tokens whatever batch it is generated in.
@@ -97,6 +113,49 @@ def import_vllm():
     return vllm
 
 
+def resolve_enforce_eager(option: Optional[bool], cpu_build: bool) -> bool:
+    """rollout.vllm.enforce_eager: as set, else true on the CPU build (no CUDA graphs there: Triton has no CPU
+    backend) and false on CUDA (decode replays captured CUDA graphs, ~2-3x faster for a 1.5B model; the weight sync
+    keeps them valid, see the module docstring)."""
+    if option is not None:
+        return bool(option)
+    return cpu_build
+
+
+def resolve_max_model_len(option: Optional[int], planned_len: Optional[int]) -> Optional[int]:
+    """rollout.vllm.max_model_len: as set, else the planned prompt + completion length (vllm_memory.planned_seq_len),
+    so vLLM neither reserves nor profiles for the model's full context (32,768 for Qwen2.5) when the run needs 1,536.
+    None leaves vLLM's own default (the model's length)."""
+    return option if option is not None else planned_len
+
+
+WEIGHT_SYNC_PATHS = ("ipc", "reload")
+
+
+def choose_weight_sync(*, cpu_build: bool, colocated: bool) -> tuple[str, str]:
+    """The weight-sync path for an engine, and why, decided once at start (both are named in the log).
+
+    - CPU build: ``reload`` (the internal ``reload_weights``): the public API's IPC and NCCL backends need CUDA.
+    - CUDA, colocated with the trainer (the synchronous loop): ``ipc``, the public API, no host copy.
+    - CUDA, a rollout worker on its own GPU (asynchronous runs): ``reload`` from the host copy the controller shares
+      with every worker. The public NCCL backend would broadcast GPU to GPU, but its transfer is a collective that
+      the trainer would have to join while the worker is between two generations; stalerl does not drive it yet
+      (docs/vllm.md), so this path is said in the log, not chosen silently.
+    """
+    if cpu_build:
+        return "reload", "CPU build: vLLM's weight-transfer engines (ipc, nccl) need CUDA"
+    if colocated:
+        return "ipc", "CUDA, colocated with the trainer: public weight-transfer API, backend=ipc (no host copy)"
+    return "reload", ("CUDA rollout worker on its own GPU: internal reload_weights from the controller's host copy "
+                      "(the public nccl backend is not driven by stalerl yet)")
+
+
+def engine_save_dtype(dtype: str) -> Optional[torch.dtype]:
+    """The dtype the start-up checkpoint is written in: the engine's (a bf16 engine never reads fp32 files, half the
+    bytes on disk and in the worker's host memory); None keeps the model's (float32, and "auto")."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+
+
 def resolve_dtype(option: Optional[str], actor_dtype: str, cpu_build: bool) -> str:
     """rollout.vllm.dtype: as set, else float32 on the CPU build (behaviour log-probs equal the trainer's fp32 ones,
     as before) and actor.dtype on GPUs (a bf16 run computes in bf16 on both sides; fp32 copies would double vLLM's
@@ -126,13 +185,49 @@ def sample_seeds(run_seed: int, task_ids: Sequence[int], n_samples: int) -> list
     return [(generation_seed(run_seed, t) * n_samples) % _SEED_MOD for t in task_ids]
 
 
-def save_hf_dir(model: torch.nn.Module, tokenizer, path: Path) -> Path:
-    """The policy as a directory vLLM can start from (weights in fp32 safetensors, the fast tokenizer beside)."""
+def save_hf_dir(model: torch.nn.Module, tokenizer, path: Path, dtype: Optional[torch.dtype] = None) -> Path:
+    """The policy as a directory vLLM can start from (safetensors, the fast tokenizer beside). ``dtype``: write the
+    weights cast to it, one tensor at a time on the host (the model itself is not converted, so no second copy of
+    it exists on its device); None writes them as they are."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    state = None
+    if dtype is not None:
+        state = {k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()
+                 for k, v in model.state_dict().items()}
+    model.save_pretrained(path, state_dict=state)
+    if dtype is not None:  # config.json says what the files hold
+        import json
+
+        cfg_path = path / "config.json"
+        data = json.loads(cfg_path.read_text())
+        for key in ("dtype", "torch_dtype"):
+            if key in data:
+                data[key] = str(dtype).replace("torch.", "")
+        cfg_path.write_text(json.dumps(data, indent=2))
     tokenizer.save_pretrained(path)
     return path
+
+
+class _LLMWeightSyncClient:
+    """vLLM's trainer-side weight-transfer engines drive the inference side through this four-method protocol
+    (``vllm.distributed.weight_transfer.base.VLLMWeightSyncClient``); the offline ``LLM`` has the same methods but
+    takes request dicts (``{"init_info": ...}`` / ``{"update_info": ...}``)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self.llm.finish_weight_update(weight_version)
 
 
 def _load_weights_rpc(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> bool:
@@ -185,28 +280,40 @@ class VLLMRolloutEngine:
         self.version = version  # the version of the weights vLLM holds (-1: none installed yet)
         self.last_generate_seconds = 0.0
         self.last_sync_seconds = 0.0
+        self.sync_seconds_total = 0.0  # every weight sync so far (the trainer logs it per step)
+        self.weight_sync: Optional[str] = None  # the path chosen at start (choose_weight_sync)
+        self._sender = None  # ipc: vLLM's trainer-side IPCTrainerWeightTransferEngine
         if not track_source:
             self.start()
 
     # ------------------------------------------------------------------ engine lifecycle
     def start(self) -> None:
         """Start vLLM from ``source_model``'s current weights (the checkpoint's after a resume)."""
-        model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model")
         o = self.options
         cpu = is_cpu_build()
         dtype = resolve_dtype(o.dtype, self.actor_dtype, cpu)
+        self.weight_sync, why = choose_weight_sync(cpu_build=cpu, colocated=self.track_source)
+        print(f"vLLM weight sync: {self.weight_sync} ({why})", flush=True)
+        model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model", engine_save_dtype(dtype))
         utilization = o.gpu_memory_utilization
         if utilization is None:
             utilization = CPU_GPU_MEMORY_UTILIZATION if cpu else self._planned_utilization(dtype)
         kwargs: dict[str, Any] = dict(
             model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=self.seed,
-            enforce_eager=o.enforce_eager, gpu_memory_utilization=utilization,
+            enforce_eager=resolve_enforce_eager(o.enforce_eager, cpu), gpu_memory_utilization=utilization,
             tensor_parallel_size=o.tensor_parallel_size or 1, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=o.enable_prefix_caching, logprobs_mode="processed_logprobs",
             # we detokenize with our tokenizer (ids past len(tokenizer) in the rounded-up vocabulary decode to "")
         )
-        if o.max_model_len is not None:
-            kwargs["max_model_len"] = o.max_model_len
+        max_model_len = resolve_max_model_len(o.max_model_len, self.max_seq_len)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if self.weight_sync == "ipc":
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+            # CUDA IPC handles open only in another process: the engine core gets its own (see module docstring)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         kv_gb = o.kv_cache_memory_gb
         if kv_gb is None and cpu:
             kv_gb = CPU_KV_CACHE_GB
@@ -217,13 +324,26 @@ class VLLMRolloutEngine:
         except Exception as exc:  # noqa: BLE001 - whatever vLLM raises, the run stops with its message
             raise VLLMStartError(f"vLLM failed to start ({type(exc).__name__}: {exc}); engine options: "
                                  f"rollout.vllm.* = {kwargs}") from exc
+        finally:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # rollout workers' engines stay in-process
+        print(f"vLLM engine: dtype={dtype} enforce_eager={kwargs['enforce_eager']} "
+              f"max_model_len={kwargs.get('max_model_len', 'model default')} max_num_seqs={self.max_num_seqs}",
+              flush=True)
+        if self.weight_sync == "ipc":
+            from vllm.distributed.weight_transfer.base import ModuleSource
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            self._sender = WeightTransferTrainerFactory.trainer_init(
+                IPCTrainerInitInfo(rank=0), client=_LLMWeightSyncClient(self.llm),
+                source=ModuleSource(self.source_model))
 
     def _planned_utilization(self, dtype: str) -> float:
         """GPUs: the fraction that holds every in-flight sequence at full length (stalerl.rollout.vllm_memory)."""
         from stalerl.rollout.vllm_memory import plan_gpu_memory
 
         config = self.source_model.config
-        model_len = self.options.max_model_len or config.max_position_embeddings
+        model_len = self.options.max_model_len or self.max_seq_len or config.max_position_embeddings
         plan = plan_gpu_memory(
             model_config=config, n_params=sum(p.numel() for p in self.source_model.parameters()),
             dtype="float32" if dtype == "auto" else dtype,  # "auto": the directory we write holds fp32 weights
@@ -233,6 +353,9 @@ class VLLMRolloutEngine:
         return plan.utilization
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None
         self.llm = None
 
     # ------------------------------------------------------------------ weights
@@ -254,13 +377,20 @@ class VLLMRolloutEngine:
 
     def _install(self, state_dict: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
-        weights = [(name, t.detach().to("cpu")) for name, t in state_dict.items()]
-        done = self.llm.collective_rpc(_load_weights_rpc, args=(weights,))
-        if not all(done):
-            raise RuntimeError(f"vLLM weight load failed on some workers: {done}")
+        if self.weight_sync == "ipc":
+            # The sender's source is the trainer's module itself (its parameters, on the GPU they live on); the
+            # state dict passed here is that module's, so nothing is copied to build it.
+            self._sender.send_weights()
+        else:
+            # The in-process engine gets the tensors where they are (CPU here; a worker's host copy on CUDA)
+            weights = [(name, t.detach()) for name, t in state_dict.items()]
+            done = self.llm.collective_rpc(_load_weights_rpc, args=(weights,))
+            if not all(done):
+                raise RuntimeError(f"vLLM weight load failed on some workers: {done}")
         # KV blocks computed with the old weights must not be reused for prompts seen before.
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - start
+        self.sync_seconds_total += self.last_sync_seconds
 
     # ------------------------------------------------------------------ generation
     def sampling_params(self, *, n: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int,

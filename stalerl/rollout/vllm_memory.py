@@ -76,9 +76,12 @@ def plan_gpu_memory(*, model_config: Any, n_params: int, dtype: str, max_num_seq
 
 
 def planned_seq_len(cfg: Any, model_max_len: int) -> int:
-    """The longest sequence a run puts in flight: the prompt cap (train_dataset.max_length, else the model's length)
-    plus the longest completion (training or evaluation), never more than vLLM's max_model_len."""
+    """The longest sequence a run puts in flight: the prompt cap (the larger of train_dataset.max_length and
+    valid_dataset.max_length, the engine evaluating too; the model's length when either is null) plus the longest
+    completion (training or evaluation), never more than vLLM's max_model_len. It is also rollout.vllm.max_model_len's
+    default (vllm_engine.resolve_max_model_len)."""
     limit = cfg.rollout.vllm.max_model_len or model_max_len
-    prompt = cfg.train_dataset.max_length or limit
+    caps = (cfg.train_dataset.max_length, cfg.valid_dataset.max_length)
+    prompt = limit if any(c is None for c in caps) else max(caps)
     new = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
     return min(limit, prompt + new)

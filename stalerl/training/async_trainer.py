@@ -34,6 +34,7 @@ from stalerl.core import interrupt
 from stalerl.core.io import atomic_torch_save
 from stalerl.rollout.admission import StalenessManager
 from stalerl.rollout.batch import concat_batches
+from stalerl.training.mismatch import fresh_rows
 from stalerl.training.staleness import staleness_stats
 from stalerl.training.trainer import Trainer
 from stalerl.training.workers.hosting import make_hosting, worker_resources
@@ -52,6 +53,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class EvalMergingLogger:
+    """The asynchronous trainer's metrics logger: a step's row is held back while the evaluation of that step runs
+    on a rollout worker (training goes on meanwhile), then written with the evaluation merged in; rows behind it
+    wait too, so metrics.jsonl keeps one row per step in step order, exactly as the synchronous loop writes it.
+    Held rows are saved with a checkpoint (AsyncTrainer.checkpoint_state), so a resume loses none of them."""
+
+    def __init__(self, inner, held=None):
+        self.inner = inner
+        self.held: list[tuple[int, dict[str, Any]]] = list(held or [])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def log(self, step: int, metrics) -> None:
+        self.held.append((int(step), dict(metrics)))
+
+    def merge(self, step: int, metrics) -> None:
+        for s, row in self.held:
+            if s == step:
+                row.update(metrics)
+                return
+        self.inner.log(step, metrics)  # its row was written already (cannot happen while it is held; never lost)
+
+    def write_ready(self, pending) -> None:
+        """Write held rows from the front while their step has no pending evaluation."""
+        while self.held and self.held[0][0] not in pending:
+            step, row = self.held.pop(0)
+            self.inner.log(step, row)
+
+    def close(self) -> None:
+        self.write_ready(set())  # e.g. a diverged run: what is held is written, without the missing evaluation
+        self.inner.close()
 
 
 class AsyncTrainer(Trainer):
@@ -90,9 +125,14 @@ class AsyncTrainer(Trainer):
         self.weight_files: dict[int, Any] = {}
         self.slow_trainer = os.environ.get(SLOW_TRAINER_ENV, "") not in ("", "0")
         self.interrupted = False
+        # Evaluation runs on a rollout worker (see evaluate): versions requested, in order; sent; finished results
+        self.eval_requested: list[int] = []
+        self.eval_sent: dict[int, tuple[str, float]] = {}  # version -> (worker role, time sent)
+        self.eval_done: dict[int, dict[str, Any]] = {}
+        self._probe_actor = None  # fsdp:dY: an unsharded actor on rank 0's copy for the mismatch probe
 
     def _rollout_in_workers(self) -> bool:
-        return True  # rollouts come from the workers' engines; the controller's HF engine only evaluates
+        return True  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
 
     # ------------------------------------------------------------------ lifecycle
     def start_workers(self) -> None:
@@ -271,6 +311,8 @@ class AsyncTrainer(Trainer):
                     for _, state in out["results"]:  # reward/generated: at generation end, not consumption
                         self.counters["gen_reward_sum"] += float(state["rewards"].sum())
                         self.counters["gen_reward_n"] += len(state["rewards"])
+                elif isinstance(out, dict) and "eval" in out:  # an evaluation (see evaluate)
+                    self.eval_done[out["eval"]["version"]] = out["eval"]
                 else:  # a weight load
                     self.counters["sync_seconds"] += out["seconds"]
                     self.loaded_version[role] = out["version"]
@@ -321,8 +363,15 @@ class AsyncTrainer(Trainer):
                 w.call("actor_state")
             actor_state = self.actor.state_dict()
             self._collect_train_replies("actor_state")
+        # Evaluations of older versions cannot be re-run after a resume (their weights are gone): wait for them; one
+        # of this very step can (the checkpoint holds its weights), so it is re-requested at resume instead.
+        self._wait(lambda: all(v in self.eval_done or v == self.step for v in self.eval_requested),
+                   "evaluations of earlier steps before the checkpoint")
+        if getattr(self, "eval_logger", None) is not None:
+            self.log_finished_evaluations(self.eval_logger, wait=False)
         with self.cond:
             state = super().checkpoint_state(actor_state)
+            state["metric_rows_held"] = list(self.eval_logger.held) if getattr(self, "eval_logger", None) else []
             state["manager"] = self.manager.state_dict()
             state["prompts"] = list(self.prompts)
             state["dataset"] = self.dataset.state_dict()
@@ -330,6 +379,10 @@ class AsyncTrainer(Trainer):
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
+        # Rows held back for an evaluation of the checkpoint's step: written once it is re-run (see wrap_logger)
+        self._restored_rows = [(int(step), dict(row)) for step, row in state.get("metric_rows_held", [])]
+        if any(step == self.step for step, _ in self._restored_rows):
+            self.eval_requested = [self.step]
         self.prompts = deque(state["prompts"])
         self.tasks_to_resubmit = self.manager.load_state_dict(state["manager"])
 
@@ -381,7 +434,72 @@ class AsyncTrainer(Trainer):
         with self.cond:
             self.publish_weights()
             self.weights_published = True
+            self._send_evaluations()  # evaluator.at_start, requested before the first weights existed
             self.cond.notify_all()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Non-blocking: the evaluation of the current weights (version = self.step) is queued to a rollout worker
+        right behind those weights and runs there (HF or vLLM engine, the same evaluate_engine and eval_gconfig as
+        the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. This step's
+        row is held back (EvalMergingLogger) and written with eval/accuracy once the result arrives; the end of
+        training waits for all of them. Returns {} (nothing to add to the row now)."""
+        with self.cond:
+            if self.step not in self.eval_requested:
+                self.eval_requested.append(self.step)
+            if self.weights_published:
+                self._send_evaluations()
+        return {}
+
+    def _send_evaluations(self) -> None:
+        """Under self.cond. Each requested version goes to the least loaded rollout worker, after that worker was
+        sent the weights of that version (commands are served in order, so it evaluates exactly those)."""
+        for version in self.eval_requested:
+            if version in self.eval_sent:
+                continue
+            if self.latest_weights is None or self.latest_weights[0] != version:
+                raise RuntimeError(f"evaluation of version {version} requested, but the published weights are "
+                                   f"version {None if self.latest_weights is None else self.latest_weights[0]}")
+            w = min(self.rollout_workers, key=lambda w: (self.outstanding[w.role], w.role))
+            self._send_latest_weights(w)
+            g = self.cfg.eval_gconfig
+            settings = {k: getattr(g, k) for k in ("n_samples", "max_new_tokens", "temperature", "top_p", "top_k",
+                                                   "greedy")}
+            w.call("evaluate", version, [(e.question, e.final) for e in self.valid_examples], settings,
+                   self.cfg.valid_dataset.batch_size)
+            self.eval_sent[version] = (w.role, time.perf_counter())
+
+    def wrap_logger(self, logger):
+        held = getattr(self, "_restored_rows", None) or []
+        if held and logger.path.is_file():  # rows written after that checkpoint was taken are there already
+            from stalerl.results.metrics_log import read_metrics
+
+            written = {r["step"] for r in read_metrics(logger.path)}
+            held = [(step, row) for step, row in held if step not in written]
+        self._restored_rows = None
+        with self.cond:
+            self.eval_requested = [v for v in self.eval_requested if any(step == v for step, _ in held)]
+        self.eval_logger = EvalMergingLogger(logger, held)
+        return self.eval_logger
+
+    def log_finished_evaluations(self, logger, *, wait: bool) -> None:
+        """Merge finished evaluations into their step's held row, then write every held row whose evaluation is
+        not pending (rows stay in step order, one per step, as in the synchronous loop)."""
+        if wait and self.eval_requested:
+            self._wait(lambda: all(v in self.eval_done for v in self.eval_requested), "evaluations to finish")
+        with self.cond:
+            done = {}
+            for v in [v for v in self.eval_requested if v in self.eval_done]:
+                self.eval_requested.remove(v)
+                role, sent = self.eval_sent.pop(v)
+                done[v] = (role, sent, self.eval_done.pop(v))
+            pending = set(self.eval_requested)
+        for version, (role, sent, res) in sorted(done.items()):
+            logger.merge(version, {"eval/accuracy": res["accuracy"], "eval/seconds": res["seconds"],
+                                   "eval/latency_s": time.perf_counter() - sent})
+            self.log(f"eval (step {version}, on {role}, {res['seconds']:.1f}s while training went on to step "
+                     f"{self.step}): accuracy {res['accuracy']:.4g}")
+        logger.write_ready(pending)
 
     def _collect_train_replies(self, what: str) -> list:
         roles = [w.role for w in self.train_workers]
@@ -412,6 +530,7 @@ class AsyncTrainer(Trainer):
         stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
         assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
         advantages = self.advantages(batch)
+        mismatch = self._probe_fresh(batch)
         t1 = time.perf_counter()
         metrics = self._update(batch, advantages)
         t_train = time.perf_counter() - t1
@@ -432,9 +551,32 @@ class AsyncTrainer(Trainer):
             "version": float(self.step),
         })
         metrics.update(self.batch_metrics(batch))
+        metrics.update(mismatch)
         if counters["gen_reward_n"]:  # samples finished generating since the last step
             metrics["reward/generated"] = counters["gen_reward_sum"] / counters["gen_reward_n"]
         return metrics
+
+    def _probe_fresh(self, batch) -> dict[str, float]:
+        """stalerl.training.mismatch on the consumed samples the current weights generated (all of step 0's): those
+        are fresh, so their log-ratio is the engine mismatch alone. Before the update, on rank 0 only."""
+        self._probe_seconds = 0.0
+        if not self._mismatch_due():
+            return {}
+        rows = fresh_rows(batch.versions, batch.response_mask, self.step)
+        if not rows:
+            return {}
+        self._mismatch_step = self.step
+        actor = self.actor
+        if self.fsdp:  # the sharded actor's forward is a collective; rank 0's unsharded copy holds the same weights
+            if self._probe_actor is None:
+                from stalerl.training.actor import Actor
+
+                self._probe_actor = Actor(self.model, self.cfg.actor, temperature=self.cfg.gconfig.temperature,
+                                          total_updates=1)
+            actor = self._probe_actor
+        out = self.probe_mismatch(actor, batch.select(rows))
+        out["timing/mismatch_probe_s"] = self._probe_seconds
+        return out
 
     def _update(self, batch, advantages) -> dict[str, float]:
         if self.n_train == 1:

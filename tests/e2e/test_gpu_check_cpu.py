@@ -27,13 +27,15 @@ def test_gpu_check_cpu_dry_mode_reports_the_split_and_runs_the_smoke(tmp_path):
 
     report = tmp_path / "report.json"
     env.update(STALERL_SMOKE_DEVICE="cpu", STALERL_SMOKE_DIR=str(tmp_path / "work"), STALERL_CHECK_WHEELS=str(wheels),
-               STALERL_CHECK_FORCE_WHEELS="1", STALERL_CHECK_REPORT=str(report))
+               STALERL_CHECK_FORCE_WHEELS="1", STALERL_CHECK_REPORT=str(report),
+               STALERL_CHECK_NO_PIP="1")  # as on an image without pip: the pure-Python wheels are unpacked
     res = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=1800)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     # omegaconf came from the carried wheels, as on a bare CUDA image
-    assert "installed antlr4_python3_runtime-4.9.3-py3-none-any.whl omegaconf-" in out
+    assert out.startswith("gpu_check: wheels: antlr4_python3_runtime-")  # the first line says what was carried
+    assert "unpacked (no pip) antlr4_python3_runtime-4.9.3-py3-none-any.whl omegaconf-" in out
     assert str(tmp_path / "work" / "pydeps") in out
 
     data = json.loads(report.read_text())
@@ -44,6 +46,9 @@ def test_gpu_check_cpu_dry_mode_reports_the_split_and_runs_the_smoke(tmp_path):
         assert s["gen_tokens_per_s"] > 0 and s["micro_batches"] >= 1
     assert [s["staleness_avg"] for s in data["per_step"]] == [0, 1]  # rollout.fixed_staleness=1
     assert data["peak_memory_gib"]["peak_rss_gib"] > 0
+    # behavior_logp=rollout: the engine mismatch on step 0's fresh data (logged in step 1's row), and the sync path
+    assert data["mismatch_step0"]["mismatch/tokens"] > 0 and data["mismatch_step0"]["mismatch/m2"] >= 0
+    assert data["weight_sync_path"].startswith("none: the HF engine")
     for case in ("single-gpu-torch-d1", "async-torch-d2", "async-fsdp-d2"):
         assert f"PASS {case}" in out, out[-4000:]
     assert "real scale PASS, smoke runs PASS" in out

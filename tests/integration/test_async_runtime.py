@@ -172,3 +172,21 @@ def test_a_dying_dispatcher_fails_the_run_instead_of_hanging():
     t._dispatch_loop()
     assert t.failure is not None and t.failure.role == "dispatcher"
     assert "task 17 finished twice" in t.failure.message
+
+
+def test_training_goes_on_while_an_evaluation_runs_on_a_rollout_worker(tmp_path):
+    # Every evaluation takes >= 6 s on its worker (test hook); with two rollout workers the other one keeps
+    # generating, so the trainer logs steps past an evaluation's step before that evaluation has finished.
+    res = _run(_cmd(tmp_path, "evalbg", **{"rollout.max_head_offpolicyness": 2, "rollout.backend": "hf:d2",
+                                           "total_train_steps": 6}),
+               env_extra={"STALERL_TEST_SLOW_EVAL_S": "6"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    went_on = [(int(v), int(s)) for v, s in re.findall(r"eval \(step (\d+), on rollout/\d, [\d.]+s while training "
+                                                        r"went on to step (\d+)\)", out)]
+    assert [v for v, _ in went_on] == [0, 3, 6], out[-3000:]
+    assert any(s > v for v, s in went_on), went_on  # training steps were taken while an evaluation ran
+    rows = _rows(tmp_path, "evalbg")
+    assert [r["step"] for r in rows] == list(range(0, 7))  # one row per step, in order, as the sync loop writes
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3, 6]
+    assert all(r["eval/seconds"] >= 6 for r in rows if "eval/accuracy" in r)

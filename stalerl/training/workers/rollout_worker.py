@@ -18,7 +18,11 @@ import torch
 from stalerl.core.model import PromptFormatter, load_policy_from_config
 from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
-from stalerl.rollout.engine import HFRolloutEngine, generation_seed
+from stalerl.rollout.engine import HFRolloutEngine, evaluate_engine, generation_seed
+
+# Test hook: STALERL_TEST_SLOW_EVAL_S=<seconds> makes every evaluation take at least that long, so a test can show
+# that training steps go on while an evaluation runs.
+SLOW_EVAL_ENV = "STALERL_TEST_SLOW_EVAL_S"
 
 
 def to_wire(state: dict[str, Any]) -> dict[str, Any]:
@@ -37,9 +41,18 @@ class RolloutWorker:
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.index = index
-        model, tokenizer = load_policy_from_config(cfg)
-        self.model = model
         self.is_vllm = cfg.rollout.backend.split(":", 1)[0] == "vllm"
+        if self.is_vllm and cfg.actor.behavior_logp != "recompute":
+            # vLLM holds the weights it generates with; this process only needs the architecture, the tokenizer and
+            # the start-up checkpoint it writes (in the engine's dtype), so the HF model stays on the host instead
+            # of a second fp32 copy on the worker's GPU.
+            import dataclasses
+
+            model, tokenizer = load_policy_from_config(
+                dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, device="cpu")))
+        else:
+            model, tokenizer = load_policy_from_config(cfg)
+        self.model = model
         if self.is_vllm:
             from stalerl.config import run_dir
             from stalerl.rollout.vllm_engine import build_vllm_engine
@@ -74,6 +87,25 @@ class RolloutWorker:
         if self.is_vllm and self.recompute is not None:
             self.model.load_state_dict(state_dict)  # the recompute forward needs the generating weights too
         self.engine.load_weights(state_dict, version)
+
+    def evaluate(self, version: int, examples: list[tuple[str, str]], settings: dict[str, Any],
+                 batch_size: int) -> dict[str, Any]:
+        """The evaluation the synchronous trainer runs (stalerl.rollout.engine.evaluate_engine), here on this
+        worker's engine at weights ``version`` (the controller queued them just before this call)."""
+        if self.engine.version != version:
+            raise RuntimeError(f"evaluate(version={version}) but this worker holds version {self.engine.version}; "
+                               "the controller queues the weights before the evaluation")
+        from types import SimpleNamespace
+
+        start = time.perf_counter()
+        if not settings["greedy"]:  # sampled evaluation: seeded by its version, apart from every training task's
+            torch.manual_seed(generation_seed(self.cfg.seed, -1 - version))
+        out = evaluate_engine(self.engine, examples, SimpleNamespace(**settings), batch_size)
+        delay = float(os.environ.get(SLOW_EVAL_ENV, "0") or 0)
+        if delay > 0:
+            time.sleep(max(0.0, delay - (time.perf_counter() - start)))
+        out.update(version=version, seconds=time.perf_counter() - start)
+        return {"eval": out, "version": version}
 
     def generate(self, tasks: list[tuple[int, str, str]]) -> dict[str, Any]:
         """One batched generate call over ``tasks`` = [(task_id, question, answer)]; returns each task's batch."""
