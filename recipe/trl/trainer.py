@@ -62,14 +62,12 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _stalerl_check_vllm_server(self) -> None:
         """TRL checks the server's ``--logprobs-mode`` only with its IS correction on (which m2po/fipo refuse); the
         sampler's log-probs are these losses' behaviour policy, so it is checked here, on every process."""
-        from accelerate.utils import broadcast_object_list
-
-        info = [None]
+        info: list[Any] = [None]
         if self.accelerator.is_main_process:
             server = self.vllm_generation.vllm_client.get_server_info()
             info[0] = (server.get("model_config") or {}).get("logprobs_mode")
         if self.accelerator.num_processes > 1:
-            broadcast_object_list(info, from_process=0)
+            torch.distributed.broadcast_object_list(info, src=0)
         check_vllm_logprobs_mode(info[0], self.loss_type)
 
     @property
