@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci_lib.sh
-SWIFT_VERSION=${STALERL_SWIFT_VERSION:-4.6.0}
+# the version CI installs comes from recipe/versions.py (FRAMEWORKS["ms-swift"].ci), the adapter's tested range
+SWIFT_VERSION=${STALERL_SWIFT_VERSION:-$(python3 -m recipe.versions version ms-swift)}
 start=$(date +%s)
 
 ci_venv "${1:-.venv-ci-swift}"

@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci_lib.sh
-TRL_VERSION=${STALERL_TRL_VERSION:-1.16.0}
+# the version CI installs comes from recipe/versions.py (FRAMEWORKS["trl"].ci), the adapter's tested range
+TRL_VERSION=${STALERL_TRL_VERSION:-$(python3 -m recipe.versions version trl)}
 start=$(date +%s)
 
 ci_venv "${1:-.venv-ci-trl}"

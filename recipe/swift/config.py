@@ -8,7 +8,8 @@ loads the model): an unknown name, an unparsable value or an out-of-range one fa
 
 The PPO clip of ``fipo_ref`` is ms-swift's own ``--epsilon`` / ``--epsilon_high``.
 
-Torch-free and ms-swift-free: the CLI helper and the config tests import it without either.
+Torch-free and ms-swift-free at import (the losses' own rules, which import torch, are imported when a config is
+checked): the CLI helper imports it without either.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from typing import Any, Mapping, Optional
 #: ``fipo_ref`` is the reference FIPO (``recipe.registry`` ``fipo``); ms-swift's own ``fipo`` stays as it is.
 LOSS_TYPES = {"m2po": "m2po", "fipo_ref": "fipo"}  # ms-swift loss_type -> recipe.registry name
 
-ENV_PREFIXES = ("STALERL_M2", "STALERL_FIPO_")
+ENV_PREFIXES = ("STALERL_M2", "STALERL_FIPO_", "STALERL_SWIFT_")
+
+#: Opt-in (true/false, default false): when vLLM's rollout log-probs are missing for part of an optimizer step, use
+#: ms-swift's ``old_per_token_logps`` as the behaviour policy for the whole step (all micro-batches, all ranks) instead
+#: of refusing the step; every step then logs ``<loss>/behaviour_old_logps_fallback`` (1 when it fell back, else 0).
+OLD_LOGPS_FALLBACK_ENV = "STALERL_SWIFT_OLD_LOGPS_FALLBACK"
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,11 @@ ENV_KEYS: dict[str, tuple[EnvKey, ...]] = {
                "ratio above which an A<0 token's weight is reset into [0.8, 1]"),
     ),
 }
-ALL_ENV_NAMES = tuple(k.env for keys in ENV_KEYS.values() for k in keys)
+ADAPTER_ENV_KEYS = (
+    EnvKey(OLD_LOGPS_FALLBACK_ENV, "old_logps_fallback", "bool", False, None, True,
+           "fall back to ms-swift's old_per_token_logps for a step whose rollout log-probs are incomplete"),
+)
+ALL_ENV_NAMES = tuple(k.env for keys in ENV_KEYS.values() for k in keys) + tuple(k.env for k in ADAPTER_ENV_KEYS)
 
 #: ms-swift flags that configure its *own* fipo; with ``fipo_ref`` a non-default value would be silently ignored,
 #: so it is refused (name, ms-swift default, the variable to use instead).
@@ -116,11 +126,66 @@ def loss_config(loss_type: str, *, epsilon_low: float = 0.2, epsilon_high: Optio
     for spec in ENV_KEYS[loss_type]:
         raw = environ.get(spec.env)
         config[spec.key] = spec.default if raw is None or raw.strip() == "" else _parse(spec, raw)
+    if loss_type == "m2po":
+        from recipe.m2po.algorithm import m2_threshold_from_config  # the loss's own rule (imports torch)
+
+        try:
+            m2_threshold_from_config(config)
+        except ValueError as exc:
+            raise ValueError(f"m2po: {str(exc).replace('m2_threshold', 'STALERL_M2_THRESHOLD')}") from None
     if loss_type == "fipo_ref":
         config["clip_ratio_low"] = float(epsilon_low)
         config["clip_ratio_high"] = float(epsilon_low if epsilon_high is None else epsilon_high)
         _validate_fipo(config)
     return config
+
+
+def old_logps_fallback(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the user opted in to the old-log-prob fallback (:data:`OLD_LOGPS_FALLBACK_ENV`)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(OLD_LOGPS_FALLBACK_ENV)
+    return False if raw is None or raw.strip() == "" else bool(_parse(ADAPTER_ENV_KEYS[0], raw))
+
+
+#: Where the behaviour log-probs of an optimizer step come from (one source for the whole step, every rank).
+ROLLOUT, OLD, CURRENT = "rollout", "old", "current"
+
+
+def behaviour_source(loss_type: str, *, every_rollout: bool, any_rollout: bool, every_old: bool, use_vllm: bool,
+                     async_generate: bool, allow_old_fallback: bool) -> tuple[str, bool]:
+    """(the step's behaviour source, whether it is the opt-in fallback), decided from flags already reduced over the
+    step's micro-batches and every rank; refuses with one line what would not be exact.
+
+    - vLLM's rollout log-probs for every micro-batch on every rank: those (the sampler's policy, staleness included).
+    - ``--async_generate`` without them: refused, opt-in or not: ms-swift's ``old_per_token_logps`` are recomputed
+      with the current weights when the batch is built, so the data's staleness would be invisible to the loss.
+    - HF generation (no vLLM, no rollout log-probs anywhere): ``old_per_token_logps`` (the generating policy, computed
+      right after generation by the same model), else on-policy.
+    - vLLM (or any rollout log-probs) but not for the whole step: refused, or with the opt-in, ``old_per_token_logps``
+      for the whole step (the training engine's log-probs of the generating weights), logged every step.
+    """
+    if every_rollout:
+        return ROLLOUT, False
+    where = f"--loss_type {loss_type}"
+    if async_generate:
+        raise RuntimeError(f"{where} with --async_generate: vLLM's rollout log-probs are missing for part of this "
+                           "optimizer step, and ms-swift's old_per_token_logps are recomputed with the current weights, "
+                           "so the data's staleness would be invisible to the loss. Fix: have vLLM return log-probs "
+                           "for every completion (a single-turn rollout whose log-prob count matches the completion), "
+                           "or --async_generate false")
+    if not use_vllm and not any_rollout:
+        return (OLD if every_old else CURRENT), False
+    if not allow_old_fallback:
+        raise RuntimeError(f"{where}: vLLM's rollout log-probs are missing for part of this optimizer step (ms-swift "
+                           "drops them for a completion whose log-prob count does not match); one step's loss must use "
+                           "one behaviour policy on every micro-batch and rank. Fix: make vLLM return log-probs for "
+                           f"every completion, or export {OLD_LOGPS_FALLBACK_ENV}=true to use ms-swift's "
+                           "old_per_token_logps for such steps (logged as <loss>/behaviour_old_logps_fallback)")
+    if not every_old:
+        raise RuntimeError(f"{where}: neither rollout log-probs nor ms-swift's old_per_token_logps cover this whole "
+                           "optimizer step, so it has no single behaviour policy. Fix: make vLLM return log-probs for "
+                           "every completion")
+    return OLD, True
 
 
 def _validate_fipo(config: dict[str, Any]) -> None:
@@ -146,6 +211,9 @@ def check_swift_args(args: Any) -> None:
     loss_type = getattr(args, "loss_type", None)
     if loss_type not in LOSS_TYPES:
         return
+    from recipe.versions import check_framework_version
+
+    check_framework_version("ms-swift", where="recipe.swift")
 
     def refuse(flag: str, value: Any, why: str, fix: str) -> None:
         raise ValueError(f"--loss_type {loss_type} does not support --{flag} {value!r}: {why}. Fix: {fix}")
@@ -162,6 +230,11 @@ def check_swift_args(args: Any) -> None:
     if int(getattr(args, "sequence_parallel_size", 1) or 1) > 1:
         refuse("sequence_parallel_size", args.sequence_parallel_size,
                "the whole-step selection needs each rank's full sequences", "--sequence_parallel_size 1")
+    for flag in ("padding_free", "packing"):
+        if getattr(args, flag, False):
+            refuse(flag, True, "ms-swift's packed (rmpad) layout puts a micro-batch's completions in one row, which "
+                   "FIPO's per-sequence scan and drop cannot use, and it needs flash attention, so the adapter is "
+                   "not tested with it", f"--{flag} false")
     if getattr(args, "off_policy_sequence_mask_delta", None) is not None:
         refuse("off_policy_sequence_mask_delta", args.off_policy_sequence_mask_delta,
                "M2PO/FIPO already decide which tokens of stale data count", "drop the flag")

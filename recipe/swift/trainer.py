@@ -20,8 +20,14 @@ Each micro-batch's loss is ``sum(its per-token loss) / step tokens * dp_size``, 
 to undo HF's division, so the step's gradient is the one-call gradient of the whole step, whatever the split
 (DDP averages over processes, hence ``dp_size``). The KL term (``--beta``) uses the same denominator.
 
-Behaviour log-probs: the sampler's (``rollout_per_token_logps``, vLLM, when ms-swift collected them), else
-ms-swift's ``old_per_token_logps`` (a no-grad forward of the policy that generated the batch), else on-policy.
+Behaviour log-probs: decided once per optimizer step for all its micro-batches and all ranks
+(:func:`recipe.swift.config.behaviour_source`): vLLM's ``rollout_per_token_logps`` when every rank has them for
+every micro-batch; with HF generation ms-swift's ``old_per_token_logps``; a step with rollout log-probs on only part
+of it is refused, or, with ``STALERL_SWIFT_OLD_LOGPS_FALLBACK=true``, uses ``old_per_token_logps`` throughout and logs
+``<loss>/behaviour_old_logps_fallback`` every step; under ``--async_generate`` without rollout log-probs it is refused.
+
+The step window is :class:`recipe.hf_step.StepWindow` (shared with the TRL adapter); metrics follow
+:class:`recipe.hf_step.StepMetrics` (``m2po/*``, ``fipo/*`` over the step's micro-batches and ranks, once per step).
 """
 
 from __future__ import annotations
@@ -30,9 +36,20 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
 from recipe.registry import get_policy_loss_fn
-from recipe.swift.config import LOSS_TYPES, check_swift_args, loss_config
+from recipe.swift.config import (
+    CURRENT,
+    LOSS_TYPES,
+    OLD,
+    ROLLOUT,
+    behaviour_source,
+    check_swift_args,
+    loss_config,
+    old_logps_fallback,
+)
+from recipe.versions import check_framework_version
 
 try:
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer as SwiftGRPOTrainer
@@ -47,6 +64,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
     """ms-swift's GRPOTrainer; ``loss_type`` ``m2po`` / ``fipo_ref`` use ``recipe.registry``'s losses exactly."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_framework_version("ms-swift", where="recipe.swift")
         training_args = kwargs["args"]
         loss_type = getattr(training_args, "loss_type", None)
         self._recipe_loss_type: Optional[str] = loss_type if loss_type in LOSS_TYPES else None
@@ -55,8 +73,11 @@ class GRPOTrainer(SwiftGRPOTrainer):
             self._recipe_config = loss_config(
                 loss_type, epsilon_low=float(training_args.epsilon), epsilon_high=training_args.epsilon_high)
             self._recipe_fn = get_policy_loss_fn(LOSS_TYPES[loss_type])
-        self._recipe_plan: Optional[tuple[OptimizerBatchPlan, list[Any]]] = None
-        self._recipe_window_pos = 0
+            self._recipe_old_fallback = old_logps_fallback()
+        self._recipe_window = StepWindow("recipe.swift")
+        self._recipe_metrics = StepMetrics()
+        self._recipe_source = CURRENT  # the current step's behaviour source (decided at its first micro-batch)
+        self._recipe_fell_back = False
         super().__init__(*args, **kwargs)
         if self._recipe_loss_type is not None:
             self._recipe_check_runtime()
@@ -89,13 +110,29 @@ class GRPOTrainer(SwiftGRPOTrainer):
             mask = mask & ~truncated.bool().unsqueeze(-1).expand_as(mask)
         return mask
 
-    @staticmethod
-    def _recipe_behaviour(grpo_batch: Any, current: torch.Tensor) -> torch.Tensor:
-        if grpo_batch.rollout_per_token_logps is not None:
+    def _recipe_behaviour(self, grpo_batch: Any, current: torch.Tensor) -> torch.Tensor:
+        """The behaviour log-probs of a micro-batch, from the source decided for its optimizer step."""
+        if self._recipe_source == ROLLOUT:
             return grpo_batch.rollout_per_token_logps
-        if grpo_batch.old_per_token_logps is not None:
+        if self._recipe_source == OLD:
             return grpo_batch.old_per_token_logps
         return current.detach()
+
+    def _recipe_decide_source(self, batches: list[Any]) -> None:
+        """One behaviour source for the whole step: flags over its micro-batches, reduced over every rank."""
+        rollout = [b.rollout_per_token_logps is not None for b in batches]
+        old = [b.old_per_token_logps is not None for b in batches]
+        flags = [float(all(rollout)), float(all(old)), -float(any(rollout))]  # min, min, -max
+        group = self._recipe_group()
+        if group is not None:
+            t = torch.tensor(flags, dtype=torch.float32, device=self.accelerator.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+            flags = t.tolist()
+        self._recipe_source, self._recipe_fell_back = behaviour_source(
+            self._recipe_loss_type, every_rollout=flags[0] == 1.0, every_old=flags[1] == 1.0,
+            any_rollout=flags[2] == -1.0, use_vllm=bool(getattr(self.args, "use_vllm", False)),
+            async_generate=bool(getattr(self.args, "async_generate", False)),
+            allow_old_fallback=self._recipe_old_fallback)
 
     def _recipe_group(self) -> Optional[Any]:
         if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
@@ -107,45 +144,31 @@ class GRPOTrainer(SwiftGRPOTrainer):
 
     def _recipe_step_plan(self, model: Any, grpo_batch: Any, current: torch.Tensor) -> tuple[OptimizerBatchPlan, int]:
         """The step's plan and this micro-batch's index in it; computed at the step's first micro-batch."""
-        window = self._recipe_accumulation_steps()
-        pos = self._recipe_window_pos
-        if pos == 0:
-            self._recipe_plan = self._recipe_make_plan(model, grpo_batch, current, window)
-        plan, batches = self._recipe_plan
-        if pos >= len(batches) or batches[pos] is not grpo_batch:
-            raise RuntimeError(f"recipe.swift: micro-batch {pos} of the optimizer step is not the one planned at the "
-                               "step's start (ms-swift's batching changed?); the whole-step loss would be wrong")
-        self._recipe_window_pos = (pos + 1) % window
-        return plan, pos
+        return self._recipe_window.enter(
+            int(self._step), grpo_batch, buffer=self._buffered_inputs, accumulation=self._recipe_accumulation_steps(),
+            steps_per_generation=int(self.args.steps_per_generation), num_iterations=int(self.num_iterations),
+            make_plan=lambda batches: self._recipe_make_plan(batches, current), pick=lambda entry: entry["grpo_batch"])
 
-    def _recipe_make_plan(self, model: Any, grpo_batch: Any, current: torch.Tensor,
-                          window: int) -> tuple[OptimizerBatchPlan, list[Any]]:
-        spg = int(self.args.steps_per_generation)
-        generate_every = spg * int(self.num_iterations)
+    def _recipe_make_plan(self, batches: list[Any], current: torch.Tensor) -> OptimizerBatchPlan:
+        self._recipe_decide_source(batches)
         step = int(self._step)
-        if any((step + i) % generate_every == 0 for i in range(1, window)):
-            raise RuntimeError(f"recipe.swift: optimizer step at micro-step {step} spans a new generation batch "
-                               f"(steps_per_generation={spg}, accumulation={window}); its micro-batches are not known "
-                               "in advance. Fix: --steps_per_generation a multiple of --gradient_accumulation_steps")
-        entries = [self._buffered_inputs[(step + i) % spg] for i in range(window)]
-        batches = [entry["grpo_batch"] for entry in entries]
-        selects = self._recipe_selects(window)
+        spg = int(self.args.steps_per_generation)
+        selects = self._recipe_selects(len(batches))
         micro = []
-        for i, entry in enumerate(entries):
-            batch = batches[i]
+        for i, batch in enumerate(batches):
             if i == 0:
                 logps = current.detach()
-            elif selects:
+            elif selects:  # as ms-swift computes its old log-probs: no grad, checkpointing off for the call
+                entry = self._buffered_inputs[(step + i) % spg]
                 with torch.no_grad(), disable_gradient_checkpointing(self.model,
                                                                      self.args.gradient_checkpointing_kwargs):
                     logps = self._get_per_token_logps_and_entropies(self.model, entry["model_inputs"], batch)[0]
             else:  # only the token count is needed: no forward
-                logps = self._recipe_behaviour(batch, batch.completion_mask.float())
-            micro.append(MicroBatch(self._recipe_behaviour(batch, logps), logps, batch.advantages,
-                                    self._recipe_valid_mask(batch)))
-        plan = plan_optimizer_batch(LOSS_TYPES[self._recipe_loss_type], micro, self._recipe_config,
+                logps = batch.completion_mask.float()
+            micro.append(MicroBatch(self._recipe_behaviour(batch, logps).float(), logps.float(),
+                                    batch.advantages.float(), self._recipe_valid_mask(batch)))
+        return plan_optimizer_batch(LOSS_TYPES[self._recipe_loss_type], micro, self._recipe_config,
                                     group=self._recipe_group())
-        return plan, batches
 
     def _recipe_selects(self, window: int) -> bool:
         """Whether this loss needs the whole step's current log-probs (a batch-level selection over >1 call)."""
@@ -174,12 +197,14 @@ class GRPOTrainer(SwiftGRPOTrainer):
         if training:
             plan, pos = self._recipe_step_plan(model, grpo_batch, per_token_logps)
         else:  # evaluation: no optimizer step, the micro-batch alone
+            self._recipe_decide_source([grpo_batch])
             plan, pos = plan_optimizer_batch(LOSS_TYPES[self._recipe_loss_type], [MicroBatch(
-                self._recipe_behaviour(grpo_batch, per_token_logps), per_token_logps.detach(), grpo_batch.advantages,
-                mask)], self._recipe_config, group=self._recipe_group()), 0
+                self._recipe_behaviour(grpo_batch, per_token_logps).float(), per_token_logps.detach().float(),
+                grpo_batch.advantages.float(), mask)], self._recipe_config, group=self._recipe_group()), 0
         config = plan.config_for(self._recipe_config)
+        behaviour = self._recipe_behaviour(grpo_batch, per_token_logps)
         loss, metrics = self._recipe_policy_loss(
-            old_log_prob=self._recipe_behaviour(grpo_batch, per_token_logps), log_prob=per_token_logps,
+            old_log_prob=behaviour, log_prob=per_token_logps,
             advantages=grpo_batch.advantages, response_mask=mask, loss_agg_mode="token-mean", config=config,
             **plan.extras[pos])
         kl_mean = None
@@ -192,15 +217,33 @@ class GRPOTrainer(SwiftGRPOTrainer):
             kl_mean = (kl_sum / mask.sum().clamp(min=1)).detach()
         if training and not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             loss = loss * self._recipe_accumulation_steps()  # HF's Trainer divides by it; the denominator is global
-        if plan.selection is not None:  # M2PO: the whole step's selection, logged once per micro-batch
-            metrics = {**metrics, **plan.selection.metrics()}
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(float(value))
+        self._recipe_log_metrics(mode, plan, pos, self._recipe_window.size if training else 1, dict(
+            old_log_prob=behaviour, log_prob=per_token_logps, advantages=grpo_batch.advantages, response_mask=mask,
+            config=config))
         metrics_data: dict[str, Any] = {"mode": mode, "entropy": {}, "completion_mask": mask,
                                         "completion_token_count": mask.sum().clamp(min=1)}
         if kl_mean is not None:
             metrics_data["kl"] = self.accelerator.gather_for_metrics(kl_mean).nanmean().item()
         return loss, metrics_data
+
+
+    def _recipe_log_metrics(self, mode: str, plan: OptimizerBatchPlan, pos: int, step_size: int,
+                            loss_inputs: dict[str, Any]) -> None:
+        """``m2po/*`` / ``fipo/*`` of the whole optimizer step (all micro-batches, all ranks), appended to ms-swift's
+        ``_metrics`` once, at the step's last micro-batch; with the old-log-prob opt-in, whether this step used it."""
+        acc = self._recipe_metrics
+        prefix = "m2po" if self._recipe_loss_type == "m2po" else "fipo"
+        if pos == 0:
+            add_plan_selection(acc, plan)
+            if self._recipe_old_fallback:
+                acc.add_constant(f"{prefix}/behaviour_old_logps_fallback", 1.0 if self._recipe_fell_back else 0.0)
+        if prefix == "fipo":
+            add_fipo_micro_batch(acc, loss_inputs["old_log_prob"], loss_inputs["log_prob"], loss_inputs["advantages"],
+                                 loss_inputs["response_mask"], loss_inputs["config"])
+        if pos == step_size - 1:
+            device = loss_inputs["response_mask"].device
+            for key, value in acc.reduce(self._recipe_group(), device=device).items():
+                self._metrics[mode][key].append(float(value))
 
 
 __all__ = ["GRPOTrainer"]

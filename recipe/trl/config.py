@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
+import inspect
 from dataclasses import dataclass, field
 
 import trl
@@ -14,12 +14,13 @@ from recipe.fipo.algorithm import (
     DEFAULT_SAFETY_THRESHOLD,
 )
 from recipe.m2po.algorithm import DEFAULT_M2_THRESHOLD
-from recipe.trl.losses import SUPPORTED_TRL, trl_version_supported, validate_grpo_args
+from recipe.trl.losses import check_no_shadowing, trl_loss_types_from_source, validate_grpo_args
+from recipe.versions import check_framework_version
 
-if not trl_version_supported(trl.__version__):
-    warnings.warn(f"recipe.trl was tested with trl>={SUPPORTED_TRL[0]},<{SUPPORTED_TRL[1]}; found trl "
-                  f"{trl.__version__}. It overrides GRPOTrainer._compute_loss and reads _buffered_inputs, which may "
-                  "have changed.", stacklevel=2)
+check_framework_version("trl", where="recipe.trl")
+# TRL's own loss names, read from the installed TRL: if it gained one of ours, ours would silently take it over.
+TRL_SOURCES = (inspect.getsource(inspect.getmodule(trl.GRPOTrainer)), inspect.getsource(inspect.getmodule(trl.GRPOConfig)))
+check_no_shadowing(trl_loss_types_from_source(*TRL_SOURCES), trl.__version__)
 
 
 @dataclass
@@ -44,5 +45,6 @@ class GRPOConfig(trl.GRPOConfig):
         "help": "FIPO: for A < 0 tokens with ratio above this, the weight is clamped to [0.8, 1] (> 0)."})
 
     def __post_init__(self) -> None:
+        check_framework_version("trl", where="recipe.trl")  # also at import; here a faked version is seen too
         super().__post_init__()  # sets steps_per_generation, which the rules read
         validate_grpo_args(self)

@@ -14,6 +14,11 @@ a step are in that buffer when its first one is trained. So at a step's first mi
 and every micro-batch's loss is then the registry's loss with that selection and that denominator: the micro-batch
 losses add up to the whole step's token-mean loss, whatever the split (TRL's GRPOTrainer sets
 ``loss_is_scaled_for_ga``, so HF adds no division; DDP's gradient mean is undone by ``dp_size``).
+
+The step window is :class:`recipe.hf_step.StepWindow` (shared with the ms-swift adapter). The extra no-grad forwards
+run as TRL's own old-log-prob forward does: model in the mode the trainer left it, ``torch.no_grad()`` and TRL's
+``disable_gradient_checkpointing``. Metrics follow :class:`recipe.hf_step.StepMetrics`: ``m2po/*`` and ``fipo/*``
+reduced over the step's micro-batches and processes, appended to TRL's ``_metrics`` once per optimizer step.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from typing import Any, Optional
 
 import torch
 import trl
+from trl.models.utils import disable_gradient_checkpointing
 
+from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
 from recipe.registry import get_batch_selector, get_policy_loss_fn
 from recipe.trl.config import GRPOConfig
 from recipe.trl.inputs import behaviour_log_probs, loss_mask
-from recipe.trl.losses import STALERL_LOSS_TYPES, loss_config
+from recipe.trl.losses import STALERL_LOSS_TYPES, check_vllm_logprobs_mode, loss_config
+from recipe.versions import check_framework_version
 
 #: Inputs TRL passes to its log-prob forward besides ids and masks (vision models); forwarded unchanged.
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
@@ -39,15 +47,33 @@ class GRPOTrainer(trl.GRPOTrainer):
     step. ``args`` must be :class:`recipe.trl.GRPOConfig` for those two (TRL's own config lacks their keys)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_framework_version("trl", where="recipe.trl")
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
         if cfg is not None and cfg.loss_type in STALERL_LOSS_TYPES and not isinstance(cfg, GRPOConfig):
             raise TypeError(f"loss_type={cfg.loss_type!r} needs recipe.trl.GRPOConfig (it carries m2_threshold and "
                             f"the fipo_* keys), got {type(cfg).__module__}.{type(cfg).__name__}; build the config "
                             "with `from recipe.trl import GRPOConfig`")
         super().__init__(*args, **kwargs)
-        self._stalerl_plan: Optional[OptimizerBatchPlan] = None
-        self._stalerl_window: list[dict[str, Any]] = []  # the current optimizer step's micro-batches, in order
-        self._stalerl_window_start = 0  # value of self._step at the step's first micro-batch
+        self._stalerl_window = StepWindow("recipe.trl")  # the current optimizer step's micro-batches and plan
+        self._stalerl_metrics = StepMetrics()
+        if self._uses_stalerl_loss and self.use_vllm and self.vllm_mode == "server":
+            self._stalerl_check_vllm_server()
+
+    def _stalerl_check_vllm_server(self) -> None:
+        """TRL checks the server's ``--logprobs-mode`` only with its IS correction on (which m2po/fipo refuse); the
+        sampler's log-probs are these losses' behaviour policy, so it is checked here, on every process."""
+        info: list[Any] = [None]
+        if self.accelerator.is_main_process:
+            server = self.vllm_generation.vllm_client.get_server_info()
+            info[0] = (server.get("model_config") or {}).get("logprobs_mode")
+        if self.accelerator.num_processes > 1:
+            torch.distributed.broadcast_object_list(info, src=0)
+        check_vllm_logprobs_mode(info[0], self.loss_type)
+
+    @property
+    def _stalerl_window_start(self) -> int:
+        """``self._step`` at the current optimizer step's first micro-batch (read by the tests)."""
+        return self._stalerl_window.start
 
     # ------------------------------------------------------------------------------------------------ the loss
 
@@ -95,7 +121,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / ga
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(mode, metrics, plan, index, entropies, mask)
+        step_size = self._stalerl_window.size if mode == "train" else 1
+        self._log_loss_metrics(mode, metrics, plan, index, entropies, mask, step_size,
+                               dict(old_log_prob=old, log_prob=per_token_logps, advantages=advantages,
+                                    response_mask=mask, config=config))
         return loss
 
     def _policy_loss(self, *, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -113,32 +142,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         """(the plan of the optimizer step this micro-batch belongs to, its index in the step)."""
         if mode != "train":  # evaluation: one batch, no accumulation
             return self._plan([inputs], per_token_logps), 0
-        index = self._step - self._stalerl_window_start
-        if self._stalerl_plan is None or index >= len(self._stalerl_window) or index < 0:
-            self._stalerl_window_start, index = self._step, 0
-            self._stalerl_window = self._step_micro_batches(inputs)
-            self._stalerl_plan = self._plan(self._stalerl_window, per_token_logps)
-        if self._stalerl_window[index] is not inputs:
-            raise RuntimeError("recipe.trl: micro-batch %d of the optimizer step is not the one planned from "
-                               "GRPOTrainer._buffered_inputs; the exact loss relies on TRL 1.16's buffering "
-                               "(_prepare_inputs)" % index)
-        return self._stalerl_plan, index
+        return self._stalerl_window.enter(
+            self._step, inputs, buffer=self._buffered_inputs, accumulation=self.current_gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation, num_iterations=self.num_iterations,
+            make_plan=lambda batches: self._plan(batches, per_token_logps))
 
-    def _step_micro_batches(self, first: dict[str, Any]) -> list[dict[str, Any]]:
-        """The micro-batches of the optimizer step that starts with ``first``, from TRL's buffer."""
-        spg = self.args.steps_per_generation
-        n = self.current_gradient_accumulation_steps
-        generate_every = spg * self.num_iterations
-        if any((self._step + j) % generate_every == 0 for j in range(1, n)):
-            raise RuntimeError(f"recipe.trl: the optimizer step starting at micro-step {self._step} spans a new "
-                               f"generation (steps_per_generation={spg}, num_iterations={self.num_iterations}, "
-                               f"{n} accumulation steps): set steps_per_generation to a multiple of "
-                               "gradient_accumulation_steps")
-        window = [self._buffered_inputs[(self._step + j) % spg] for j in range(n)]
-        if window[0] is not first:
-            raise RuntimeError("recipe.trl: the micro-batch being trained is not GRPOTrainer._buffered_inputs"
-                               f"[{self._step % spg}]; the exact loss relies on TRL 1.16's buffering (_prepare_inputs)")
-        return window
+    def _extra_log_probs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A later micro-batch's current log-probs, computed the way TRL computes its old log-probs: no grad, the
+        model in the mode the trainer left it, gradient checkpointing off for the call (TRL's context manager)."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            return self._log_probs(self.model, batch, compute_entropy=False)[0]
 
     def _plan(self, batches: list[dict[str, Any]], first_logps: torch.Tensor) -> OptimizerBatchPlan:
         """Select and count over ``batches``; the first one's current log-probs are ``first_logps``."""
@@ -153,9 +166,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             else:
                 if j == 0:
                     current = first_logps.detach()
-                else:
-                    with torch.no_grad():  # the step's weights are those of its first micro-batch
-                        current = self._log_probs(self.model, batch, compute_entropy=False)[0]
+                else:  # the step's weights are those of its first micro-batch
+                    current = self._extra_log_probs(batch)
                 behaviour = behaviour_log_probs(batch, current)
             adv = batch["advantages"]
             adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(mask.shape)
@@ -173,18 +185,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         return (total[0] / total[1].clamp(min=1.0)).item()
 
     def _log_loss_metrics(self, mode: str, metrics: dict[str, float], plan: OptimizerBatchPlan, index: int,
-                          entropies: Optional[torch.Tensor], mask: torch.Tensor) -> None:
-        """``m2po/*``: the whole step's selection, once per step (it already covers all processes). ``fipo/*``: per
-        micro-batch, averaged over processes; TRL's ``log()`` averages what was appended since the last log."""
-        store = self._metrics[mode]
-        if plan.selection is not None:
-            if index == 0:
-                for key, value in plan.selection.metrics().items():
-                    store[key].append(float(value))
-        else:
-            for key, value in metrics.items():
-                if self.accelerator.num_processes > 1:
-                    value = self.accelerator.gather(torch.tensor([float(value)], device=mask.device)).mean().item()
-                store[key].append(float(value))
+                          entropies: Optional[torch.Tensor], mask: torch.Tensor, step_size: int,
+                          loss_inputs: dict[str, Any]) -> None:
+        """``m2po/*`` / ``fipo/*`` of the whole optimizer step (all micro-batches, all processes), appended once, at
+        the step's last micro-batch (recipe.hf_step.StepMetrics; TRL's ``log()`` then averages over its logging
+        interval)."""
+        acc = self._stalerl_metrics
+        if index == 0:
+            add_plan_selection(acc, plan)
+        if self.loss_type == "fipo":
+            add_fipo_micro_batch(acc, loss_inputs["old_log_prob"], loss_inputs["log_prob"], loss_inputs["advantages"],
+                                 loss_inputs["response_mask"], loss_inputs["config"])
+        if index == step_size - 1:
+            group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
+            for key, value in acc.reduce(group, device=mask.device).items():
+                self._metrics[mode][key].append(float(value))
         if entropies is not None:
+            store = self._metrics[mode]
             store["entropy"].append(self._global_masked_mean(entropies, mask))

@@ -11,7 +11,18 @@ from types import SimpleNamespace
 import pytest
 
 from recipe.swift import plugin_path
-from recipe.swift.config import ENV_KEYS, check_environment, check_swift_args, loss_config
+from recipe.swift.config import (
+    CURRENT,
+    ENV_KEYS,
+    OLD,
+    OLD_LOGPS_FALLBACK_ENV,
+    ROLLOUT,
+    behaviour_source,
+    check_environment,
+    check_swift_args,
+    loss_config,
+    old_logps_fallback,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,6 +96,8 @@ def test_unknown_variable_is_refused_whatever_the_loss():
     (dict(loss_type="fipo_ref", fipo_safety_threshold=10.0), "--fipo_safety_threshold"),
     (dict(loss_type="fipo_ref", delta=10.0), "--delta"),
     (dict(loss_type="fipo_ref", fipo_clip_range=0.3), "--fipo_clip_range"),
+    (dict(padding_free=True), "--padding_free"),
+    (dict(loss_type="fipo_ref", packing=True), "--packing"),
 ])
 def test_unsupported_swift_flags_are_refused_naming_the_flag(overrides, flag):
     with pytest.raises(ValueError) as info:
@@ -120,3 +133,58 @@ def test_adapter_imports_only_torch_recipe_and_swift():
             else:
                 continue
             assert roots <= allowed_roots, f"{path.relative_to(REPO)} imports {sorted(roots - allowed_roots)}"
+
+
+def _source(**flags):
+    base = dict(every_rollout=False, any_rollout=False, every_old=True, use_vllm=False, async_generate=False,
+                allow_old_fallback=False)
+    base.update(flags)
+    return behaviour_source("m2po", **base)
+
+
+def test_one_behaviour_source_per_step():
+    # rollout log-probs on every micro-batch of every rank: the sampler's, whatever else is set
+    assert _source(every_rollout=True, any_rollout=True, use_vllm=True, async_generate=True) == (ROLLOUT, False)
+    # HF generation (no vLLM): ms-swift's old log-probs are the generating policy's
+    assert _source() == (OLD, False)
+    assert _source(every_old=False) == (CURRENT, False)
+    # vLLM with rollout log-probs on only part of the step: refused, or the logged opt-in for the whole step
+    for flags in (dict(use_vllm=True, any_rollout=True), dict(use_vllm=True), dict(any_rollout=True)):
+        with pytest.raises(RuntimeError, match=OLD_LOGPS_FALLBACK_ENV) as info:
+            _source(**flags)
+        assert "\n" not in str(info.value) and "--loss_type m2po" in str(info.value)
+        assert _source(allow_old_fallback=True, **flags) == (OLD, True)
+    with pytest.raises(RuntimeError, match="no single behaviour policy"):
+        _source(use_vllm=True, any_rollout=True, every_old=False, allow_old_fallback=True)
+
+
+def test_async_generate_without_rollout_log_probs_is_refused_even_with_the_opt_in():
+    for fallback in (False, True):
+        with pytest.raises(RuntimeError, match="--async_generate") as info:
+            _source(use_vllm=True, any_rollout=True, async_generate=True, allow_old_fallback=fallback)
+        assert "staleness would be invisible" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_old_logps_fallback_is_an_explicit_boolean():
+    assert old_logps_fallback({}) is False
+    assert old_logps_fallback({OLD_LOGPS_FALLBACK_ENV: "true"}) is True
+    assert old_logps_fallback({OLD_LOGPS_FALLBACK_ENV: "0"}) is False
+    with pytest.raises(ValueError, match=OLD_LOGPS_FALLBACK_ENV):
+        old_logps_fallback({OLD_LOGPS_FALLBACK_ENV: "sometimes"})
+    check_environment({OLD_LOGPS_FALLBACK_ENV: "true"})
+    with pytest.raises(ValueError, match="Did you mean " + OLD_LOGPS_FALLBACK_ENV):
+        check_environment({"STALERL_SWIFT_OLD_LOGP_FALLBACK": "true"})
+
+
+def test_untested_swift_version_is_refused_unless_overridden(monkeypatch):
+    import recipe.versions as versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda key: "4.7.0" if key == "ms-swift" else None)
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(versions.UntestedFrameworkVersion, match=r"ms-swift 4\.7\.0 .*>=4\.6,<4\.7") as info:
+        check_swift_args(_args())
+    assert "\n" not in str(info.value)
+    check_swift_args(_args(loss_type="grpo"))  # ms-swift's own loss types: the adapter is not involved
+    monkeypatch.setenv(versions.ALLOW_ENV, "ms-swift")
+    with pytest.warns(RuntimeWarning, match="outside the tested range"):
+        check_swift_args(_args())

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from recipe.trl.inputs import behaviour_log_probs, loss_mask
-from recipe.trl.losses import loss_config, trl_version_supported, validate_grpo_args
+from recipe.trl.losses import (
+    STALERL_LOSS_TYPES,
+    TRL_LOSS_TYPES,
+    check_no_shadowing,
+    check_vllm_logprobs_mode,
+    loss_config,
+    trl_loss_types_from_source,
+    validate_grpo_args,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +30,9 @@ def _args(**overrides):
                 fipo_influence_clip_ratio=0.2, fipo_influence_clip_high_only=True, fipo_safety_threshold=10.0,
                 epsilon=0.2, epsilon_high=None, importance_sampling_level="token", delta=None,
                 off_policy_mask_threshold=None, top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False,
-                steps_per_generation=4, gradient_accumulation_steps=2)
+                steps_per_generation=4, gradient_accumulation_steps=2, use_vllm=False,
+                vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+                vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=None)
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -47,6 +57,12 @@ def test_valid_settings_pass_and_map_to_registry_keys() -> None:
     ({"top_entropy_quantile": 0.2}, "top_entropy_quantile"),
     ({"use_adaptive_entropy": True}, "entropy_coef"),
     ({"steps_per_generation": 3}, "steps_per_generation"),
+    ({"use_vllm": True}, "vllm_importance_sampling_correction"),
+    ({"loss_type": "fipo", "use_vllm": True}, "vllm_importance_sampling_correction"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_mode": "token_mask"},
+     "vllm_importance_sampling_mode"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_clip_min": 0.5},
+     "vllm_importance_sampling_clip_min"),
 ])
 def test_bad_values_name_the_field_in_one_line(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -69,9 +85,42 @@ def test_behaviour_log_probs_prefers_the_sampler_then_old_then_on_policy() -> No
     assert torch.equal(loss_mask({"completion_mask": mask, "tool_mask": tool}), tool)
 
 
-def test_version_range() -> None:
-    assert trl_version_supported("1.16.0") and trl_version_supported("1.16.2.dev0")
-    assert not trl_version_supported("1.17.0") and not trl_version_supported("0.29.1")
+def test_vllm_settings_pass_when_they_cannot_act() -> None:
+    validate_grpo_args(_args(use_vllm=True, vllm_importance_sampling_correction=False))
+    validate_grpo_args(_args(use_vllm=False))  # TRL's default correction=True does nothing without vLLM
+    validate_grpo_args(_args(loss_type="grpo", use_vllm=True))  # TRL's own loss: TRL's correction
+
+
+SOURCE = """
+class GRPOTrainer:
+    def __init__(self, args):
+        if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+            raise ValueError
+    def _compute_loss(self, model, inputs):
+        if self.loss_type == "cispo":
+            pass
+        elif self.loss_type in ["grpo", "bnpo"]:
+            pass
+        elif self.other == "fipo":
+            pass
+"""
+
+
+def test_trl_loss_types_are_read_from_the_comparisons_with_loss_type() -> None:
+    assert sorted(trl_loss_types_from_source(SOURCE)) == ["bnpo", "cispo", "grpo", "luspo"]
+    check_no_shadowing(trl_loss_types_from_source(SOURCE))
+    with pytest.raises(RuntimeError, match="own loss_type 'fipo'") as err:
+        check_no_shadowing(trl_loss_types_from_source(SOURCE.replace("self.other", "self.loss_type")), "9.9")
+    assert "\n" not in str(err.value)
+    assert not set(STALERL_LOSS_TYPES) & set(TRL_LOSS_TYPES)
+
+
+def test_raw_vllm_log_probs_are_refused() -> None:
+    check_vllm_logprobs_mode("processed_logprobs", "m2po")
+    for mode in ("raw_logprobs", "raw_logits", None):
+        with pytest.raises(ValueError, match="processed_logprobs") as err:
+            check_vllm_logprobs_mode(mode, "fipo")
+        assert f"--logprobs-mode {mode}" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_missing_trl_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,7 +128,7 @@ def test_missing_trl_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatc
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
-    with pytest.raises(ImportError, match=r"stalerl\[trl\]"):
+    with pytest.raises(ImportError, match=r"\.\[trl\]"):
         recipe.trl.GRPOTrainer  # noqa: B018 - the lazy attribute is what raises
 
 

@@ -2,7 +2,9 @@
 
 Imported by path by ms-swift while it parses its arguments. It
 
-1. checks the ``STALERL_M2*`` / ``STALERL_FIPO_*`` environment variables (unknown names, bad values: one line);
+1. checks the installed ms-swift against the tested range (``recipe.versions``; one line outside it, unless
+   ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through) and the ``STALERL_M2*`` / ``STALERL_FIPO_*`` /
+   ``STALERL_SWIFT_*`` environment variables (unknown names, bad values: one line);
 2. points ms-swift's GRPO trainer (``TrainerFactory.TRAINER_MAPPING['grpo']``) at
    :class:`recipe.swift.trainer.GRPOTrainer`, which adds ``--loss_type m2po`` and ``fipo_ref`` and leaves every
    other loss type to ms-swift;
@@ -16,7 +18,9 @@ Importing it again (dataloader workers replay plugins) changes nothing.
 import sys
 
 from recipe.swift.config import LOSS_TYPES, check_environment, check_swift_args
+from recipe.versions import check_framework_version
 
+check_framework_version("ms-swift", where="recipe.swift")
 check_environment()
 
 from swift.arguments import RLHFArguments  # noqa: E402  (ms-swift is there: it is importing this file)

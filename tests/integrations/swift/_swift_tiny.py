@@ -108,11 +108,37 @@ GRPOTrainer.train = _train_and_dump
 '''
 
 
-def write_plugins(folder: Path) -> tuple[Path, Path]:
-    """(reward plugin, capture plugin), each alone in its folder (ms-swift puts a plugin's folder on sys.path)."""
+ROLLOUT_PLUGIN = '''
+"""Test-only plugin: gives micro-batches vLLM-like rollout log-probs (ms-swift's old log-probs minus 0.05 on the
+valid tokens), on every micro-batch (SWIFT_TEST_ROLLOUT=all) or only on the generation batch's first one (=first),
+as ms-swift's collation leaves them None for a completion whose log-prob count does not match."""
+import os
+
+from recipe.swift.trainer import GRPOTrainer
+
+_generate = GRPOTrainer._generate_and_score_completions
+
+
+def _with_rollout(self, inputs):
+    micro_batches = _generate(self, inputs)
+    which = os.environ.get("SWIFT_TEST_ROLLOUT", "")
+    for i, entry in enumerate(micro_batches):
+        batch = entry["grpo_batch"]
+        if which == "all" or (which == "first" and i == 0):
+            batch.rollout_per_token_logps = (batch.old_per_token_logps - 0.05 * batch.completion_mask).detach()
+    return micro_batches
+
+
+GRPOTrainer._generate_and_score_completions = _with_rollout
+'''
+
+
+def write_plugins(folder: Path) -> tuple[Path, Path, Path]:
+    """(reward, capture, rollout plugins), each alone in its folder (ms-swift puts a plugin's folder on sys.path)."""
     reward = folder / "reward" / "tiny_reward_plugin.py"
     capture = folder / "capture" / "tiny_capture_plugin.py"
-    for file, text in ((reward, REWARD_PLUGIN), (capture, CAPTURE_PLUGIN)):
+    rollout = folder / "rollout" / "tiny_rollout_plugin.py"
+    for file, text in ((reward, REWARD_PLUGIN), (capture, CAPTURE_PLUGIN), (rollout, ROLLOUT_PLUGIN)):
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(text, encoding="utf-8")
-    return reward, capture
+    return reward, capture, rollout

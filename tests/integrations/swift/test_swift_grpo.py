@@ -49,15 +49,16 @@ WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("swift")
-    reward, capture = write_plugins(root / "plugins")
+    reward, capture, rollout = write_plugins(root / "plugins")
     return {"root": root, "model": build_model_dir(root / "model"), "data": write_dataset(root / "data.jsonl"),
-            "reward": reward, "capture": capture}
+            "reward": reward, "capture": capture, "rollout": rollout}
 
 
 def swift_argv(ws: dict[str, Path], name: str, loss_type: str, per_device: int, accumulation: int,
-               extra: list[str] | None = None, capture: bool = True) -> list[str]:
+               extra: list[str] | None = None, capture: bool = True, rollout: bool = False) -> list[str]:
     """``swift rlhf`` arguments: the adapter's plugin, the tiny model and data, plain SGD, no clipping, no vLLM."""
     plugins = [recipe_swift.plugin_path(), str(ws["reward"])] + ([str(ws["capture"])] if capture else [])
+    plugins += [str(ws["rollout"])] if rollout else []
     return [
         "--rlhf_type", "grpo", "--loss_type", loss_type, "--external_plugins", *plugins,
         "--model", str(ws["model"]), "--model_type", "qwen2", "--template", "qwen2_5", "--torch_dtype", "float32",
@@ -98,8 +99,9 @@ def swift_in_one_process(ws: dict[str, Path], runs: list[dict[str, Any]]) -> Non
     for run in runs:
         (ws["root"] / run["name"]).mkdir(parents=True, exist_ok=True)
         spec.append({"argv": swift_argv(ws, run["name"], run["loss_type"], run["per_device"], run["accumulation"],
-                                        run.get("extra")),
-                     "env": {**base_env(ws, run["name"]), **run.get("env", {})}})
+                                        run.get("extra"), rollout="SWIFT_TEST_ROLLOUT" in run.get("env", {})),
+                     "env": {**base_env(ws, run["name"]), **run.get("env", {})},
+                     "error_file": str(ws["root"] / run["name"] / "error.txt") if run.get("fails") else None})
     spec_file = ws["root"] / f"runs-{runs[0]['name']}.json"
     spec_file.write_text(json.dumps(spec), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -156,8 +158,16 @@ def runs(workspace) -> dict[str, dict[str, Any]]:
         dict(name="fipo_ref", loss_type="fipo_ref", per_device=4, accumulation=2,
              env={"STALERL_FIPO_DECAY_RATE": "16"}),
         dict(name="grpo_builtin", loss_type="grpo", per_device=4, accumulation=2),
+        # behaviour source: rollout log-probs on every micro-batch; on part of a step (refused); the logged opt-in
+        dict(name="rollout_all", loss_type="m2po", per_device=4, accumulation=2,
+             env={**m2po_env, "SWIFT_TEST_ROLLOUT": "all"}),
+        dict(name="rollout_part", loss_type="m2po", per_device=4, accumulation=2, fails=True,
+             env={**m2po_env, "SWIFT_TEST_ROLLOUT": "first"}),
+        dict(name="rollout_part_fallback", loss_type="fipo_ref", per_device=4, accumulation=2,
+             env={"SWIFT_TEST_ROLLOUT": "first", "STALERL_SWIFT_OLD_LOGPS_FALLBACK": "true"}),
     ])
-    names = ("m2po_4x2", "m2po_8x1", "m2po_2x4", "fipo_ref", "grpo_builtin")
+    names = ("m2po_4x2", "m2po_8x1", "m2po_2x4", "fipo_ref", "grpo_builtin", "rollout_all",
+             "rollout_part_fallback")
     return {name: load(workspace, name) for name in names}
 
 
@@ -198,9 +208,17 @@ def test_m2po_loss_and_mask_are_the_registry_and_the_literal_algorithm_1(m2po_ru
     assert partly_masked, "every step masked all or none of its trust region: tau does not exercise the selection"
 
 
-def test_m2po_metrics_reach_swift_logs(m2po_runs):
+def test_m2po_metrics_reach_swift_logs_once_per_optimizer_step(m2po_runs):
+    for run in m2po_runs.values():
+        logs = [entry for entry in run["log_history"] if "m2po/m2_before" in entry]
+        assert len(logs) == STEPS
+        # logging_steps 1: one log row per step, holding that whole step's figures (a per-micro-batch append would
+        # log the mean of the micro-batches' values)
+        for entry, step in zip(logs, steps(run["records"])):
+            assert entry["m2po/num_valid_tokens"] == int(flat(step, "response_mask").numel())
+            keep = flat(step, "keep_mask").bool()
+            assert entry["m2po/num_masked_tokens"] == int((~keep).sum())
     logs = [entry for entry in m2po_runs[2]["log_history"] if "m2po/m2_before" in entry]
-    assert len(logs) == STEPS
     assert {"m2po/masked_fraction", "m2po/num_valid_tokens", "m2po/threshold"} <= set(logs[0])
     assert any(entry["m2po/m2_before"] > 0 for entry in logs)
 
@@ -241,8 +259,14 @@ def test_reference_fipo_loss_is_the_registry_and_its_metrics_are_logged(runs):
         torch.testing.assert_close(total, one_call("fipo", step, reference_config), rtol=1e-5, atol=1e-7)
         moved |= any(abs(r["metrics"]["fipo/influence_weights_mean_raw"] - 1.0) > 1e-3 for r in step)
     assert moved, "FIPO's influence weights never moved off 1: the run has no off-policy drift"
+    from recipe.hf_step import FIPO_STEP_METRICS
+
     logs = [entry for entry in run["log_history"] if "fipo/influence_weights_mean_raw" in entry]
-    assert len(logs) == STEPS and "fipo/sequence_drop_ratio" in logs[0]
+    assert len(logs) == STEPS and set(FIPO_STEP_METRICS) <= set(logs[0])
+    for entry, step in zip(logs, steps(run["records"])):  # once per step, over the whole step
+        assert entry["fipo/num_valid_tokens"] == int(flat(step, "response_mask").numel())
+    assert any(entry["fipo/clip_fraction"] > 0 for entry in logs), "the reuse steps must clip somewhere"
+    assert not any("behaviour_old_logps_fallback" in k for entry in run["log_history"] for k in entry)
 
 
 def test_swift_own_loss_types_are_untouched_with_the_plugin_loaded(runs):
@@ -295,3 +319,28 @@ def test_megatron_swift_refuses_the_recipe_losses_when_building_its_trainer():
                           text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not supported by Megatron-SWIFT" in proc.stdout
+
+
+def test_rollout_log_probs_on_every_micro_batch_are_the_behaviour_policy(runs):
+    run = runs["rollout_all"]
+    assert len(steps(run["records"])) == STEPS
+    # the injected rollout log-probs are ms-swift's old ones - 0.05: the loss got those, not the old ones. On the
+    # first step of a generation batch the current log-probs are ms-swift's old ones, so the log-ratio is 0.05.
+    first = steps(run["records"])[0]  # on-policy step: current = ms-swift's old log-probs, so the ratio is e^0.05
+    torch.testing.assert_close(flat(first, "log_prob") - flat(first, "old_log_prob"),
+                               torch.full_like(flat(first, "log_prob"), 0.05), rtol=0, atol=1e-4)
+
+
+def test_rollout_log_probs_on_part_of_a_step_are_refused_in_one_line(runs, workspace):
+    message = (workspace["root"] / "rollout_part" / "error.txt").read_text(encoding="utf-8")
+    assert message.startswith("RuntimeError: --loss_type m2po: vLLM's rollout log-probs are missing for part")
+    assert "STALERL_SWIFT_OLD_LOGPS_FALLBACK=true" in message and "\n" not in message
+    assert not (workspace["root"] / "rollout_part" / "capture.pt").exists()  # refused before the first update
+
+
+def test_the_old_log_prob_fallback_is_used_for_whole_steps_and_logged_every_step(runs):
+    run = runs["rollout_part_fallback"]
+    logs = [entry for entry in run["log_history"] if "fipo/behaviour_old_logps_fallback" in entry]
+    assert len(logs) == STEPS and all(entry["fipo/behaviour_old_logps_fallback"] == 1.0 for entry in logs)
+    first = steps(run["records"])[0]  # on-policy step: the old log-probs are the current ones on every micro-batch
+    torch.testing.assert_close(flat(first, "log_prob"), flat(first, "old_log_prob"), rtol=0, atol=1e-5)

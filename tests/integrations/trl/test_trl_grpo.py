@@ -99,13 +99,21 @@ def test_loss_is_the_registry_loss_of_the_whole_optimizer_step(tmp_path: Path, l
             assert torch.equal(keep[valid], expected[valid])
             masked_somewhere |= bool((~expected[valid]).any())
     assert drift > 1e-3, "the reuse pass must move the policy off the behaviour one"
+    # one value per optimizer step, over the whole step (logging_steps=1: log row i is step i + 1): a per-micro-batch
+    # append would log the mean of the two micro-batches' counts, half the step's
+    rows = [row for row in trainer.state.log_history if f"{loss_type}/num_valid_tokens" in row]
+    assert len(rows) == len(steps)
+    for row, step in zip(rows, steps):
+        assert row[f"{loss_type}/num_valid_tokens"] == int(_cat(step, "response_mask").sum())
     logged = {k for row in trainer.state.log_history for k in row}
     if loss_type == "m2po":
         assert masked_somewhere, "the run must make Algorithm 1 mask something"
         assert {"m2po/m2_before", "m2po/m2_after", "m2po/masked_fraction"} <= logged
         assert any(row.get("m2po/num_masked_tokens", 0) > 0 for row in trainer.state.log_history)
     else:
-        assert {"fipo/influence_weights_mean_raw", "fipo/sequence_drop_ratio"} <= logged
+        from recipe.hf_step import FIPO_STEP_METRICS
+
+        assert set(FIPO_STEP_METRICS) <= logged
         assert any(abs(row.get("fipo/influence_weights_mean_raw", 1.0) - 1.0) > 1e-4
                    for row in trainer.state.log_history), "FIPO's influence weights must move off 1"
 
@@ -165,17 +173,75 @@ def test_builtin_loss_types_are_trls_own(tmp_path: Path, loss_type: str) -> None
     assert not any(k.startswith(("m2po/", "fipo/")) for row in ours.state.log_history for k in row)
 
 
-def test_trl_loss_types_list_matches_trl() -> None:
+def test_trl_loss_types_are_read_from_the_installed_trl_and_ours_shadow_none() -> None:
+    """TRL's loss_type names come from the installed TRL's source; if TRL gains one of ours (its FIPO PR names its
+    loss "fipo") this test fails, and so does importing recipe.trl (check_no_shadowing)."""
     require_trl()
-    import inspect
+    from recipe.trl import STALERL_LOSS_TYPES, TRL_LOSS_TYPES
+    from recipe.trl.config import TRL_SOURCES
+    from recipe.trl.losses import check_no_shadowing, trl_loss_types_from_source
+
+    theirs = trl_loss_types_from_source(*TRL_SOURCES)
+    assert set(theirs) == set(TRL_LOSS_TYPES), f"TRL's loss types are now {theirs}; update TRL_LOSS_TYPES"
+    assert not set(theirs) & set(STALERL_LOSS_TYPES)
+    # the guard the import runs, on TRL's source with a "fipo" branch added as TRL's PR #5434 adds it
+    patched = TRL_SOURCES[0].replace('if self.loss_type == "cispo":', 'if self.loss_type == "fipo":\n            pass\n'
+                                     '        elif self.loss_type == "cispo":', 1)
+    assert patched != TRL_SOURCES[0]
+    with pytest.raises(RuntimeError, match="has its own loss_type 'fipo'"):
+        check_no_shadowing(trl_loss_types_from_source(patched, TRL_SOURCES[1]), "1.17.0.dev0")
+
+
+def test_trl_vllm_importance_sampling_defaults_are_trls() -> None:
+    require_trl()
+    import dataclasses
 
     import trl
 
-    from recipe.trl import TRL_LOSS_TYPES
+    from recipe.trl.losses import TRL_VLLM_IS_DEFAULTS
 
-    source = inspect.getsource(trl.GRPOTrainer._compute_loss)
-    for name in TRL_LOSS_TYPES:
-        assert f'"{name}"' in source, f"TRL's _compute_loss no longer knows {name!r}"
+    defaults = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    assert {k: defaults[k] for k in TRL_VLLM_IS_DEFAULTS} == TRL_VLLM_IS_DEFAULTS
+    assert defaults["vllm_importance_sampling_correction"] is True
+
+
+def test_colocated_vllm_samples_processed_logprobs_and_a_raw_server_is_refused(tmp_path: Path) -> None:
+    """Colocated vLLM: TRL itself builds the engine with processed log-probs (read from TRL's source). Server: the
+    adapter asks the server (TRL asks only with its IS correction on, which m2po/fipo refuse) and refuses raw ones."""
+    require_trl()
+    import inspect
+    from types import SimpleNamespace
+
+    from trl.generation import vllm_generation
+
+    from recipe.trl import GRPOTrainer
+
+    assert 'logprobs_mode="processed_logprobs"' in inspect.getsource(vllm_generation)
+
+    def stub(mode: str) -> SimpleNamespace:
+        client = SimpleNamespace(get_server_info=lambda: {"model_config": {"logprobs_mode": mode}})
+        return SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True, num_processes=1), loss_type="m2po",
+                               vllm_generation=SimpleNamespace(vllm_client=client))
+
+    GRPOTrainer._stalerl_check_vllm_server(stub("processed_logprobs"))
+    with pytest.raises(ValueError, match="--logprobs-mode raw_logprobs") as err:
+        GRPOTrainer._stalerl_check_vllm_server(stub("raw_logprobs"))
+    assert "\n" not in str(err.value)
+
+
+def test_untested_trl_version_is_refused_unless_overridden(tmp_path: Path, monkeypatch) -> None:
+    require_trl()
+    import recipe.versions as versions
+    from recipe.trl import GRPOConfig
+
+    monkeypatch.setattr(versions, "installed_version", lambda key: "1.17.0" if key == "trl" else None)
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(versions.UntestedFrameworkVersion, match=r"trl 1\.17\.0 .*>=1\.16,<1\.17") as err:
+        GRPOConfig(**base_args(tmp_path, loss_type="m2po"))
+    assert "\n" not in str(err.value) and versions.ALLOW_ENV in str(err.value)
+    monkeypatch.setenv(versions.ALLOW_ENV, "trl")
+    with pytest.warns(RuntimeWarning, match="outside the tested range"):
+        GRPOConfig(**base_args(tmp_path, loss_type="m2po"))
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
@@ -188,6 +254,12 @@ def test_trl_loss_types_list_matches_trl() -> None:
     ({"loss_type": "m2po", "delta": 3.0}, "delta"),
     ({"loss_type": "m2po", "importance_sampling_level": "sequence"}, "importance_sampling_level"),
     ({"loss_type": "fipo", "steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation"),
+    ({"loss_type": "m2po", "use_vllm": True}, "vllm_importance_sampling_correction"),
+    ({"loss_type": "fipo", "use_vllm": True, "vllm_mode": "server"}, "vllm_importance_sampling_correction"),
+    ({"loss_type": "m2po", "use_vllm": True, "vllm_importance_sampling_correction": False,
+      "vllm_importance_sampling_mode": "token_truncate"}, "vllm_importance_sampling_mode"),
+    ({"loss_type": "fipo", "use_vllm": True, "vllm_importance_sampling_correction": False,
+      "vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max"),
 ])
 def test_bad_values_fail_at_construction_naming_the_field(tmp_path: Path, overrides: dict, field: str) -> None:
     require_trl()
@@ -227,3 +299,74 @@ def test_beta_adds_trls_kl_term_with_the_step_denominator(tmp_path: Path) -> Non
     trainer.train()
     kl = [row["kl"] for row in trainer.state.log_history if "kl" in row]
     assert kl and kl[-1] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["m2po", "fipo"])
+def test_steps_per_generation_twice_the_accumulation_is_split_invariant(tmp_path: Path, loss_type: str) -> None:
+    """steps_per_generation = 2 x gradient_accumulation_steps: one generation batch of 16 completions feeds two
+    optimizer steps of 8 (TRL indexes _buffered_inputs[k % steps_per_generation] and computes old log-probs, so the
+    second step trains on stale data). 8x1 (spg 2), 4x2 (spg 4), 2x4 (spg 8): same weights; every call's
+    denominator is its own step's tokens (not TRL's generation-batch count), and M2PO masks on the second step."""
+    finals = {}
+    for per_device, ga in ((8, 1), (4, 2), (2, 4)):
+        trainer = _train(tmp_path / f"{per_device}x{ga}", _capturing_trainer(), loss_type=loss_type,
+                         m2_threshold=SPLIT_TAU, per_device_train_batch_size=per_device, gradient_accumulation_steps=ga,
+                         steps_per_generation=2 * ga, num_iterations=1, max_steps=2, **SGD)
+        steps = _steps(trainer.calls)
+        assert [len(step) for step in steps] == [ga, ga]
+        assert [step[0]["window"] for step in steps] == [0, ga]
+        for step in steps:
+            tokens = int(_cat(step, "response_mask").sum())
+            assert all(call["config"]["global_batch_info"]["batch_num_tokens"] == tokens for call in step)
+        stale = _cat(steps[1], "log_prob") - _cat(steps[1], "old_log_prob")
+        assert float((stale.abs() * _cat(steps[1], "response_mask")).max()) > 1e-3, "step 2 must train on stale data"
+        if loss_type == "m2po":
+            masked = [row["m2po/num_masked_tokens"] for row in trainer.state.log_history
+                      if "m2po/num_masked_tokens" in row]
+            assert masked[-1] > 0, "the second step must mask tokens, or the test shows nothing"
+        finals[(per_device, ga)] = weights(trainer.model)
+    ref = finals[(8, 1)]
+    for split, got in finals.items():
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+        print(f"{loss_type} spg=2ga {split[0]}x{split[1]}: max |w - w(8x1)| = {worst:.2e}")
+        assert worst <= SPLIT_ATOL, f"{split}: weights differ from 8x1 by {worst}"
+
+
+def test_extra_forwards_run_as_trls_own_log_prob_forward(tmp_path: Path) -> None:
+    """With gradient checkpointing on: the no-grad forwards M2PO adds for micro-batches 1..n-1 run in the state of
+    TRL's own old-log-prob forward (no grad, same train/eval mode, checkpointing off for the call), and the run's
+    weights equal those of the same run without gradient checkpointing."""
+    require_trl()
+    from recipe.trl import GRPOTrainer
+
+    class Recording(GRPOTrainer):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.states: list[tuple[str, bool, bool, bool]] = []
+            self._ours = False
+
+        def _extra_log_probs(self, batch):
+            self._ours = True
+            try:
+                return super()._extra_log_probs(batch)
+            finally:
+                self._ours = False
+
+        def _get_per_token_logps_and_entropies(self, model, *a: Any, **kw: Any):
+            if not torch.is_grad_enabled():
+                self.states.append(("ours" if self._ours else "trl", torch.is_grad_enabled(), model.training,
+                                    bool(model.is_gradient_checkpointing)))
+            return super()._get_per_token_logps_and_entropies(model, *a, **kw)
+
+    common = dict(loss_type="m2po", m2_threshold=SPLIT_TAU, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, max_steps=2, **SGD)
+    checkpointed = _train(tmp_path / "gc", Recording, gradient_checkpointing=True, **common)
+    assert checkpointed.model.is_gradient_checkpointing  # restored after every extra forward
+    ours = {s[1:] for s in checkpointed.states if s[0] == "ours"}
+    trls = {s[1:] for s in checkpointed.states if s[0] == "trl"}
+    assert ours and trls, checkpointed.states
+    assert ours == trls == {(False, True, False)}
+    plain = _train(tmp_path / "plain", gradient_checkpointing=False, **common)
+    a, b = weights(checkpointed.model), weights(plain.model)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= SPLIT_ATOL, f"gradient checkpointing changed the weights by {worst}"
