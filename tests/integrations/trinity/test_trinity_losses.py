@@ -218,6 +218,7 @@ def test_an_untested_trinity_version_is_refused_unless_overridden(name: str, mon
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda key: "0.7.0" if key == "trinity-rft" else real(key))
     monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(versions, "_warned", set())  # the override warns once per process and version
     cls = POLICY_LOSS_FN.get(PATHS[name])
     with pytest.raises(versions.UntestedFrameworkVersion,
                        match=r"recipe\.trinity: trinity-rft 0\.7\.0 is installed, but this adapter was tested on "
