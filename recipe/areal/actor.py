@@ -74,7 +74,7 @@ def _record_fipo_metrics(metrics: dict[str, float], mask: torch.Tensor, num_sequ
     """One micro-batch's FIPO fractions as per-token (per-row) constants over their denominators: AReaL's AVG
     reduction then gives sum(fraction x denominator) / sum(denominator) over the step, i.e. the pooled fraction."""
     rows = torch.ones(num_sequences, dtype=torch.bool, device=mask.device)
-    with stats_tracker.disable_scope():
+    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
         stats_tracker.denominator(**{"fipo/num_valid_tokens": mask, "fipo/num_sequences": rows})
         for key, value in metrics.items():
             if not key.startswith("fipo/"):
@@ -89,12 +89,13 @@ def _record_m2po_metrics(selection: Any, mini_batch: dict[str, Any], current: to
     """The step's M2PO diagnostics from this rank's tokens; AReaL's export sums / pools them over ranks."""
     mask = mini_batch["loss_mask"].bool()
     device = mask.device
-    keep = selection.keep_mask.to(device).bool()
-    trust = selection.trust_region.to(device).bool() & mask
+    # the selection ran over the mini-batch flattened to one row (recipe.optimizer_batch): back to its (B, T)
+    keep = selection.keep_mask.reshape(mask.shape).to(device).bool()
+    trust = selection.trust_region.reshape(mask.shape).to(device).bool() & mask
     masked = trust & ~keep
     kept_trust = trust & keep
     d2 = ((current.detach().to(device).float() - mini_batch["logprobs"].detach().float()) ** 2).float()
-    with stats_tracker.disable_scope():
+    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
         stats_tracker.denominator(**{"m2po/num_valid_tokens": mask, "m2po/num_trust_region_tokens": trust,
                                      "m2po/num_masked_tokens": masked,
                                      "m2po/num_kept_trust_region_tokens": kept_trust})
