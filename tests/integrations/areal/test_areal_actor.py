@@ -255,12 +255,13 @@ def test_first_mini_batch_reuses_prox_logp_and_a_fresh_forward_gives_the_same_se
     approximated = {**batch, "prox_logp": batch["prox_logp"] + 0.3 * batch["loss_mask"]}
     loglinear, _, after_loglinear = _update(model_dir, "m2po", n_mbs=2, batch=approximated,
                                             prox_logp_method="loglinear")
+    metrics_method, _, after_metrics = _update(model_dir, "m2po", n_mbs=2, batch=batch, prox_logp_method="metrics")
     keep_a = with_prox.mini_batches[0][KEEP_MASK_KEY]
-    for other in (fresh, loglinear):
+    for other in (fresh, loglinear, metrics_method):
         assert torch.equal(keep_a, other.mini_batches[0][KEEP_MASK_KEY])
     for name in after_prox:
-        torch.testing.assert_close(after_prox[name], after_fresh[name], rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(after_prox[name], after_loglinear[name], rtol=1e-5, atol=1e-7)
+        for other in (after_fresh, after_loglinear, after_metrics):
+            torch.testing.assert_close(after_prox[name], other[name], rtol=1e-5, atol=1e-7)
 
 
 def test_later_mini_batches_select_with_the_updated_weights(model_dir: Path) -> None:
@@ -366,3 +367,13 @@ def test_a_release_that_moves_the_update_loop_fails_loudly_and_never_runs_areals
     engine.destroy()
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+
+def test_a_batch_for_arealss_distillation_is_refused_by_the_exact_loss() -> None:
+    from recipe.areal.actor import exact_loss_fn
+
+    packed = {"loss_mask": torch.ones(3), "logprobs": torch.zeros(3), "advantages": torch.ones(3),
+              "cu_seqlens": torch.tensor([0, 3]), "teacher_logp": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"teacher distillation \(teacher_logp in the batch\) is part of AReaL's own "
+                                         r"loss only; unset actor\.loss or the teacher"):
+        exact_loss_fn(torch.zeros(3), torch.zeros(3), packed, loss_name="fipo", config={})

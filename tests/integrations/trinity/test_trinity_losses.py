@@ -263,6 +263,10 @@ def padding_kernels():
 
 
 ONE = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 8}
+ONES = {  # one micro-batch per rank: a fixed size of the whole mini-batch, or Trinity's dynamic mode with a budget
+    "fixed8": ONE,  # that holds it (trainer.max_token_len_per_gpu >= the rank's tokens)
+    "dynamic_large": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 4096},
+}
 SPLITS = {
     "fixed2": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
     "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24},  # Trinity's default mode, a small budget
@@ -273,13 +277,14 @@ SPLIT_REFUSAL = (r"verl split this rank's optimizer mini-batch into micro-batche
 
 
 @needs_engine
+@pytest.mark.parametrize("one", list(ONES))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fipo_one_micro_batch_through_verls_engine_is_the_reference_on_the_mini_batch(
-        world_of_one, padding_kernels, seed: int) -> None:
+        world_of_one, padding_kernels, seed: int, one: str) -> None:
     """Dropped rows leave the numerator and the denominator of the step (the FIPO reference), although verl's
     batch_num_tokens counts them; the metrics are the whole mini-batch's."""
     rows = C.mini_batch(seed)
-    grad, seen = C.run_engine("fipo", rows, ONE)
+    grad, seen = C.run_engine("fipo", rows, ONES[one])
     n_valid = int(rows["response_mask"].sum())
     assert len(seen) == 1 and seen[0]["batch_num_tokens"] == n_valid
     lp = rows["table"].clone().requires_grad_(True)
@@ -332,11 +337,12 @@ def test_opted_in_split_selects_per_micro_batch_and_says_so_on_every_call(world_
 
 
 @needs_engine
+@pytest.mark.parametrize("one", list(ONES))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_m2po_one_micro_batch_through_verls_engine_is_algorithm_1_on_the_mini_batch(
-        world_of_one, padding_kernels, seed: int) -> None:
+        world_of_one, padding_kernels, seed: int, one: str) -> None:
     rows = C.mini_batch(seed)
-    grad, seen = C.run_engine("m2po", rows, ONE)
+    grad, seen = C.run_engine("m2po", rows, ONES[one])
     n_valid = int(rows["response_mask"].sum())
     assert len(seen) == 1 and seen[0]["batch_num_tokens"] == n_valid and seen[0]["dp_size"] == 1
     lp = rows["table"].clone().requires_grad_(True)
