@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci_lib.sh
-AREAL_VERSION=1.0.4
+AREAL_VERSION=$(python3 -m recipe.versions version areal)  # the tested range and the CI pin: recipe/versions.py
 start=$(date +%s)
 
 ci_venv "${1:-.venv-ci-areal}"

@@ -14,8 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci_lib.sh
-TRINITY_VERSION=0.6.0
-VERL_VERSION=0.8.0
+TRINITY_VERSION=$(python3 -m recipe.versions version trinity-rft)  # the tested range and the CI pin: recipe/versions.py
+VERL_VERSION=0.8.0  # the verl pip resolves for trinity-rft 0.6.0 (not the verl lane's pin, recipe/versions.py: 0.9.x needs transformers<5.11)
 start=$(date +%s)
 
 ci_venv "${1:-.venv-ci-trinity}"

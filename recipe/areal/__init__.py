@@ -8,7 +8,8 @@ and set ``actor.loss: m2po`` (tau: ``actor.m2_threshold``, default 0.04) or ``ac
 in the AReaL yaml. Unset, everything is AReaL's own. See ``docs/integrations/areal.md``.
 
 Modules: :mod:`~recipe.areal.packed` and :mod:`~recipe.areal.rules` need only torch and ``recipe``; the others import
-AReaL (1.0.4), so this package imports them lazily: ``import recipe.areal`` costs nothing without AReaL.
+AReaL (the tested range is ``recipe.versions``; checked when the config or actor is built), so this package
+imports them lazily: ``import recipe.areal`` costs nothing without AReaL.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'recipe.areal' has no attribute {name!r}")
     if importlib.util.find_spec("areal") is None:
-        raise ImportError(f"recipe.areal.{name} needs AReaL: pip install areal==1.0.4 (GPU), or the CPU route in "
-                          "docs/integrations/areal.md (scripts/ci_areal.sh)")
+        from recipe.versions import FRAMEWORKS
+
+        raise ImportError(f"recipe.areal.{name} needs AReaL: pip install \"areal{FRAMEWORKS['areal'].tested}\" (GPU), "
+                          "or the CPU route in docs/integrations/areal.md (scripts/ci_areal.sh)")
     return getattr(importlib.import_module(module), name)

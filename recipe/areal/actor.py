@@ -19,24 +19,42 @@ Per mini-batch (one optimizer step):
 
 M2PO's ratio uses AReaL's ``logprobs`` (the behaviour policy's, see :mod:`recipe.areal.rules` for the settings that
 keep them so), never ``prox_logp``.
+
+The exact path is proven at run time, because it rests on one fact of AReaL 1.0.4 (``_ppo_update`` calls
+``self.engine.train_batch`` once per mini-batch): while the update runs, the real engine's ``train_batch`` refuses a
+loss that is not :func:`exact_loss_fn` (a release that reaches the engine another way fails before its first
+step), and after the update the actor checks that the view trained every mini-batch and the exact loss ran
+(a release that trains some other way fails right after). AReaL's own M2PO is switched off in the actor
+(``self.m2_threshold = None``: ``actor.m2_threshold`` is Algorithm 1's tau here), so it can never run instead.
+
+Metrics (``m2po/*``, ``fipo/*``), unscoped, through AReaL's stats tracker, whose export reduces them over all
+mini-batches, micro-batches and ranks of the train step: counts as sums (``ReduceType.SUM``), fractions and means as
+summed numerators over summed denominators (``ReduceType.AVG``), ``m2po/threshold`` as a scalar.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from areal.trainer.ppo.actor import PPOActor
 from areal.utils import stats_tracker
+from areal.utils.stats_tracker import ReduceType
 
-from recipe.areal.packed import packed_policy_loss, select_mini_batch
-from recipe.areal.rules import check_exact_loss_config
-from recipe.registry import get_batch_selector
+from recipe.areal.packed import packed_policy_loss, needs_current_logprobs, select_mini_batch
+from recipe.areal.rules import check_areal_version, check_exact_loss_config
 
 # AReaL's prox_logp methods that fill ``prox_logp`` by a forward pass of the current weights (not an approximation).
 _RECOMPUTED_PROX = ("recompute", "metrics")
+#: FIPO's metrics that are fractions of the sequences (the others are fractions or means over valid tokens).
+FIPO_ROW_METRICS = ("fipo/sequence_drop_ratio",)
+
+
+class ExactPathNotTaken(RuntimeError):
+    """AReaL trained (or tried to) without the exact loss: its update loop no longer goes through the adapter."""
 
 
 def valid_tokens(micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -44,16 +62,65 @@ def valid_tokens(micro_batch: dict[str, Any]) -> torch.Tensor:
     return micro_batch["loss_mask"].count_nonzero()
 
 
+@dataclass
+class _UpdateProof:
+    """What one ``_ppo_update`` did through the adapter: mini-batches trained through the view, exact-loss calls."""
+
+    mini_batches: int = 0
+    loss_calls: int = 0
+
+
+def _record_fipo_metrics(metrics: dict[str, float], mask: torch.Tensor, num_sequences: int) -> None:
+    """One micro-batch's FIPO fractions as per-token (per-row) constants over their denominators: AReaL's AVG
+    reduction then gives sum(fraction x denominator) / sum(denominator) over the step, i.e. the pooled fraction."""
+    rows = torch.ones(num_sequences, dtype=torch.bool, device=mask.device)
+    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
+        stats_tracker.denominator(**{"fipo/num_valid_tokens": mask, "fipo/num_sequences": rows})
+        for key, value in metrics.items():
+            if not key.startswith("fipo/"):
+                continue
+            over, denominator = (rows, "fipo/num_sequences") if key in FIPO_ROW_METRICS else \
+                (mask, "fipo/num_valid_tokens")
+            stats_tracker.stat(**{key: torch.full(over.shape, float(value), device=mask.device)},
+                               denominator=denominator, reduce_type=ReduceType.AVG)
+
+
+def _record_m2po_metrics(selection: Any, mini_batch: dict[str, Any], current: torch.Tensor) -> None:
+    """The step's M2PO diagnostics from this rank's tokens; AReaL's export sums / pools them over ranks."""
+    mask = mini_batch["loss_mask"].bool()
+    device = mask.device
+    # the selection ran over the mini-batch flattened to one row (recipe.optimizer_batch): back to its (B, T)
+    keep = selection.keep_mask.reshape(mask.shape).to(device).bool()
+    trust = selection.trust_region.reshape(mask.shape).to(device).bool() & mask
+    masked = trust & ~keep
+    kept_trust = trust & keep
+    d2 = ((current.detach().to(device).float() - mini_batch["logprobs"].detach().float()) ** 2).float()
+    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
+        stats_tracker.denominator(**{"m2po/num_valid_tokens": mask, "m2po/num_trust_region_tokens": trust,
+                                     "m2po/num_masked_tokens": masked,
+                                     "m2po/num_kept_trust_region_tokens": kept_trust})
+        stats_tracker.stat(**{"m2po/masked_fraction": masked.float(), "m2po/trust_region_fraction": trust.float()},
+                           denominator="m2po/num_valid_tokens", reduce_type=ReduceType.AVG)
+        stats_tracker.stat(**{"m2po/m2_before": d2}, denominator="m2po/num_trust_region_tokens",
+                           reduce_type=ReduceType.AVG)
+        stats_tracker.stat(**{"m2po/m2_after": d2}, denominator="m2po/num_kept_trust_region_tokens",
+                           reduce_type=ReduceType.AVG)
+        stats_tracker.scalar(**{"m2po/threshold": float(selection.threshold)})
+
+
 def exact_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dict[str, Any], *, loss_name: str,
-                  config: Any, log_loss_metrics: bool = True, **_engine_extras: Any) -> torch.Tensor:
+                  config: Any, log_loss_metrics: bool = True, step_scale: float = 1.0,
+                  proof: Optional[_UpdateProof] = None, **_engine_extras: Any) -> torch.Tensor:
     """The loss AReaL's engine calls per packed micro-batch (its ``loss_fn`` signature), with AReaL's statistics.
 
     ``_engine_extras`` takes what engines pass besides (``vocab_min_logits`` / ``vocab_max_logits``), unused here.
     """
+    if proof is not None:
+        proof.loss_calls += 1
     if input_data.get("teacher_logp") is not None:
         raise ValueError("teacher distillation (teacher_logp in the batch) is part of AReaL's own loss only; "
                          "unset actor.loss or the teacher")
-    loss, metrics, kept = packed_policy_loss(loss_name, logprobs, input_data, config)
+    loss, metrics, kept = packed_policy_loss(loss_name, logprobs, input_data, config, step_scale=step_scale)
     with torch.no_grad():
         mask = input_data["loss_mask"].bool()
         old = input_data["logprobs"].detach().float()
@@ -62,7 +129,9 @@ def exact_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dic
         stats_tracker.stat(importance_weight=torch.exp((new - old).clamp(-20, 20)), log_ratio=new - old,
                            new_logp=new, old_logp=old, entropy=entropy.detach().float(),
                            denominator="n_valid_tokens")
-        if log_loss_metrics:
+        if loss_name == "fipo":
+            _record_fipo_metrics(metrics, mask, int(input_data["cu_seqlens"].numel()) - 1)
+        elif log_loss_metrics:
             stats_tracker.scalar(**metrics)
     return loss
 
@@ -71,58 +140,119 @@ class _ExactLossEngineView:
     """The engine as ``PPOActor._ppo_update`` sees it during an exact update: all attributes are the engine's,
     except ``train_batch``, which selects over the mini-batch and swaps in the exact loss."""
 
-    def __init__(self, engine: Any, actor: "ExactLossPPOActor") -> None:
+    def __init__(self, engine: Any, actor: "ExactLossPPOActor", proof: _UpdateProof) -> None:
         self._engine = engine
         self._actor = actor
-        self._mini_batches = 0
+        self._proof = proof
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def train_batch(self, input_: dict[str, Any], loss_fn: Any = None, loss_weight_fn: Any = None) -> dict:
-        index = self._mini_batches
-        self._mini_batches += 1
+        index = self._proof.mini_batches
+        self._proof.mini_batches += 1
         return self._actor.train_mini_batch(self._engine, input_, first=index == 0)
+
+
+def _is_exact_loss(loss_fn: Any) -> bool:
+    return isinstance(loss_fn, functools.partial) and loss_fn.func is exact_loss_fn
+
+
+def _moved_loop_message(loss_name: str, what: str) -> str:
+    return (f"recipe.areal: {what}: this AReaL release no longer trains through PPOActor._ppo_update -> "
+            f"engine.train_batch (areal 1.0.4's loop), so actor.loss={loss_name} would not be the loss trained; "
+            "stopped instead of falling back to AReaL's own loss. Fix: install the tested AReaL "
+            "(python -m recipe.versions ci areal), or unset actor.loss")
+
+
+class _GuardedTrainBatch:
+    """Installed on the real engine during an exact update: ``train_batch`` with anything but the exact loss (AReaL's
+    ``grpo_loss_fn`` reaching the engine some other way) is refused before any work."""
+
+    def __init__(self, engine: Any, loss_name: str, own: Any = None) -> None:
+        self._train_batch = own if own is not None else type(engine).train_batch.__get__(engine)
+        self._loss_name = loss_name
+
+    def __call__(self, input_: dict[str, Any], loss_fn: Any = None, loss_weight_fn: Any = None, **kwargs: Any):
+        if not _is_exact_loss(loss_fn):
+            name = getattr(getattr(loss_fn, "func", loss_fn), "__name__", repr(loss_fn))
+            raise ExactPathNotTaken(_moved_loop_message(self._loss_name,
+                                                        f"engine.train_batch was called with {name}, not the exact "
+                                                        "loss, bypassing the adapter's view of the engine"))
+        return self._train_batch(input_, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, **kwargs)
 
 
 class ExactLossPPOActor(PPOActor):
     """AReaL's ``PPOActor`` with ``config.loss`` (a ``recipe.registry`` name) as its policy loss; unset: AReaL's."""
 
     def __init__(self, config: Any, engine: Any) -> None:
+        check_areal_version()
         check_exact_loss_config(config)
         super().__init__(config, engine)
         self.loss_name: Optional[str] = getattr(config, "loss", None)
+        if self.loss_name is not None:
+            # AReaL's own M2PO reads this attribute inside grpo_loss_fn; actor.m2_threshold is Algorithm 1's tau
+            # here (read from the config by the registry), so AReaL's variant must never see it.
+            self.m2_threshold = None
+        self._proof: Optional[_UpdateProof] = None
 
     def _ppo_update(self, data: dict[str, Any]) -> None:
         if self.loss_name is None:
             super()._ppo_update(data)
             return
         engine = self.engine
-        self.engine = _ExactLossEngineView(engine, self)
+        proof = _UpdateProof()
+        self._proof = proof
+        own = vars(engine).get("train_batch", None) if hasattr(engine, "__dict__") else None
+        engine.train_batch = _GuardedTrainBatch(engine, self.loss_name, own)
+        self.engine = _ExactLossEngineView(engine, self, proof)
         try:
             super()._ppo_update(data)
         finally:
             self.engine = engine
+            self._proof = None
+            if own is None:
+                del engine.train_batch
+            else:
+                engine.train_batch = own
+        self.check_exact_path_taken(proof, data)
+
+    def check_exact_path_taken(self, proof: _UpdateProof, data: dict[str, Any]) -> None:
+        """After an update: it went through the view, and the exact loss ran (unless no token was valid)."""
+        if proof.mini_batches == 0:
+            raise ExactPathNotTaken(_moved_loop_message(
+                self.loss_name, "PPOActor._ppo_update returned without calling the adapter's engine.train_batch"))
+        if proof.loss_calls == 0 and bool(data["loss_mask"].bool().any()):
+            raise ExactPathNotTaken(_moved_loop_message(
+                self.loss_name, f"the engine trained {proof.mini_batches} mini-batch(es) without calling the "
+                                "exact loss"))
 
     # ------------------------------------------------------------------------------------------------- one step
 
     def train_mini_batch(self, engine: Any, mini_batch: dict[str, Any], *, first: bool) -> dict:
         """One optimizer step on one PPO mini-batch (AReaL's ``train_batch``), with the exact loss."""
         assert self.loss_name is not None
-        has_selector = get_batch_selector(self.loss_name) is not None
-        if has_selector:
+        step_scale = 1.0
+        if needs_current_logprobs(self.loss_name):
             current = self.current_logprobs(engine, mini_batch, first=first)
             group = engine.data_parallel_group if engine.data_parallel_world_size > 1 else None
-            plan = select_mini_batch(self.loss_name, mini_batch, current, self.config, group=group,
-                                     device=getattr(engine, "device", None))
-            if plan.selection is not None:
-                stats_tracker.scalar(**plan.selection.metrics())
+            decided = select_mini_batch(self.loss_name, mini_batch, current, self.config, group=group,
+                                        device=getattr(engine, "device", None))
+            step_scale = decided.step_scale
+            if decided.selection is not None:
+                _record_m2po_metrics(decided.selection, mini_batch, current)
         loss_fn = functools.partial(exact_loss_fn, loss_name=self.loss_name, config=self.config,
-                                    log_loss_metrics=not has_selector)
+                                    log_loss_metrics=self.loss_name != "m2po", step_scale=step_scale,
+                                    proof=self._proof)
         return engine.train_batch(mini_batch, loss_fn=loss_fn, loss_weight_fn=valid_tokens)
 
     def current_logprobs(self, engine: Any, mini_batch: dict[str, Any], *, first: bool) -> torch.Tensor:
-        """The current weights' log-probs of the mini-batch's tokens, ``(B, T)`` like its ``loss_mask``."""
+        """The current weights' log-probs of the mini-batch's tokens, ``(B, T)`` like its ``loss_mask``.
+
+        AReaL's ``prox_logp`` for the first mini-batch when it was computed by a forward of these weights
+        (``recompute``, ``metrics``); otherwise (``loglinear`` approximates it; later mini-batches follow an
+        optimizer step) one no-grad forward.
+        """
         width = mini_batch["loss_mask"].shape[1]
         prox = mini_batch.get("prox_logp")
         method = getattr(self.config, "prox_logp_method", "recompute")

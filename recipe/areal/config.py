@@ -14,7 +14,7 @@ from areal.api.cli_args import GRPOConfig as _AReaLGRPOConfig
 from areal.api.cli_args import PPOActorConfig
 from areal.api.cli_args import PPOConfig as _AReaLPPOConfig
 
-from recipe.areal.rules import check_exact_loss_config
+from recipe.areal.rules import check_areal_version, check_exact_loss_config
 from recipe.fipo.algorithm import (
     DEFAULT_CLIP_RATIO_C,
     DEFAULT_DECAY_RATE,
@@ -48,6 +48,7 @@ class ExactLossPPOActorConfig(PPOActorConfig):
         "help": "FIPO: for A<0 tokens with ratio above this, the influence weight is clamped into [0.8, 1]."})
 
     def __post_init__(self) -> None:
+        check_areal_version()
         super().__post_init__()
         check_exact_loss_config(self)
 

@@ -1,5 +1,5 @@
 """Which AReaL actor settings the exact losses need, checked before any work. Imports only ``recipe`` (FIPO's key
-check imports torch, lazily).
+check and M2PO's threshold check, the recipe's own, import torch lazily).
 
 The exact losses replace AReaL's ``grpo_loss_fn`` as a whole, so every AReaL key that only acts inside that function
 would be silently ignored; those are refused here with the fix, as is the one combination in which AReaL overwrites
@@ -8,12 +8,21 @@ the behaviour log-probs that M2PO's ratio needs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from recipe.registry import BUILTIN_POLICY_LOSSES, is_policy_loss_registered
+from recipe.versions import check_framework_version
 
-#: AReaL's own M2PO default when ``actor.m2_threshold`` is left unset under ``actor.loss=m2po``.
+#: Algorithm 1's tau when ``actor.m2_threshold`` is left unset under ``actor.loss=m2po``.
 DEFAULT_M2_THRESHOLD = 0.04
+
+
+def check_areal_version(version: Optional[str] = None) -> Optional[str]:
+    """Refuse an AReaL outside the tested range (one line naming it and the override; ``recipe.versions``).
+
+    Called when the adapter's config or actor is built: the exact path depends on AReaL's internals
+    (``PPOActor._ppo_update`` calling ``engine.train_batch`` once per mini-batch)."""
+    return check_framework_version("areal", version, where="recipe.areal")
 #: The losses whose objective has no PPO dual clip, so AReaL's ``c_clip`` would be ignored.
 _NO_DUAL_CLIP = ("m2po", "no_trust_region", "fipo")
 
@@ -43,6 +52,10 @@ def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
     if level != "token":
         errors.append(f"{where}importance_sampling_level={level!r} (GSPO) is not part of {where}loss={loss}, whose "
                       f"ratios are per token; set {where}importance_sampling_level=token")
+    if getattr(actor, "enable_tree_training", False):
+        errors.append(f"{where}enable_tree_training=true packs sequences as prefix trees, which {where}loss={loss} "
+                      f"cannot lay out as rows (it needs each sequence's own tokens and cu_seqlens); set "
+                      f"{where}enable_tree_training=false")
     if getattr(actor, "rejection_sampling", None) is not None:
         errors.append(f"{where}rejection_sampling acts inside AReaL's own loss and {where}loss={loss} would ignore "
                       f"it; set {where}rejection_sampling=null")
@@ -55,9 +68,12 @@ def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
         errors.append(f"{where}m2_threshold is M2PO's threshold and {where}loss={loss} would ignore it; set "
                       f"{where}m2_threshold=null (or {where}loss=m2po)")
     if loss == "m2po" and threshold is not None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
-            errors.append(f"{where}m2_threshold must be a number >= 0 (M2PO's tau), got {threshold!r}; "
-                          f"e.g. {where}m2_threshold={DEFAULT_M2_THRESHOLD}")
+        from recipe.m2po.algorithm import m2_threshold_from_config  # the recipe's own check (imports torch)
+
+        try:
+            m2_threshold_from_config({"m2_threshold": threshold})
+        except ValueError as err:
+            errors.append(f"{where}{err} (M2PO's tau); e.g. {where}m2_threshold={DEFAULT_M2_THRESHOLD}")
     if loss == "fipo":
         from recipe.fipo.algorithm import fipo_params_from_config
 

@@ -6,15 +6,18 @@ In a Trinity config::
       policy_loss_fn: recipe.trinity.M2POPolicyLossFn     # or recipe.trinity.FIPOPolicyLossFn
       policy_loss_fn_args: {m2_threshold: 0.04}
 
-Trinity's registry imports this module from the dotted path (no plugin folder needed). Needs Trinity-RFT 0.6
-(``pip install "stalerl[trinity]"``, in Trinity's own environment); see docs/integrations/trinity.md.
+Trinity's registry imports this module from the dotted path (no plugin folder needed). Needs Trinity-RFT in the
+tested range (``recipe.versions``: 0.6.x; another version is refused when a loss is built unless
+``STALERL_ALLOW_UNTESTED_FRAMEWORKS=trinity-rft``), in Trinity's own environment; see docs/integrations/trinity.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-TRINITY_REQUIREMENT = "trinity-rft>=0.6,<0.7"
+from recipe.versions import FRAMEWORKS
+
+TRINITY_REQUIREMENT = f"trinity-rft{FRAMEWORKS['trinity-rft'].tested}"
 
 if importlib.util.find_spec("trinity") is None:
     raise ImportError(

@@ -6,49 +6,69 @@ declares, translated from verl's names by ``KeyMapper`` (``old_log_probs`` -> ``
 ``action_mask``). Each class here is a thin shell around the function registered in :mod:`recipe.registry`, called
 with verl's signature on the same tensors, so the numbers are the registry's.
 
-Where the denominator comes from (``loss_agg_mode: token-mean``):
+The rule: every call is exact at the optimizer step, or refused with one line, or runs under an explicit opt-in
+(``allow_split_mini_batch`` / ``assume_one_micro_batch``) that adds a metric saying so to every call.
 
 - verl >= 0.8 (Trinity's engine path, ``trinity/trainer/verl/losses.py``): verl's engine puts ``batch_num_tokens``
   (valid tokens of the whole optimizer mini-batch, all data-parallel ranks) and ``dp_size`` in every micro-batch, and
-  back-propagates the returned loss unscaled. The classes name both in ``__call__`` and divide as verl's own
-  ``ppo_loss`` does (``sum / batch_num_tokens * dp_size``), so the micro-batch losses add up to the mini-batch's
-  token mean whatever the split.
-- verl < 0.8 (Trinity's legacy ``dp_actor``): those keys do not exist (asking for them would be a KeyError in
-  ``DataProto.select``), so the classes do not ask; the loss divides by the micro-batch's valid tokens and
-  Trinity's ``fix_actor_microbatch_loss_scale: true`` rescales it to the mini-batch's token mean.
+  back-propagates the returned loss unscaled. A loss object sees one micro-batch, so M2PO's selection and FIPO's
+  sequence-drop denominator are the mini-batch's only when every rank's mini-batch is a single micro-batch. Each call
+  therefore compares ``batch_num_tokens`` with the tokens it covers (this rank's micro-batch; all ranks' same-index
+  micro-batches for the cross-rank scope) and refuses a split mini-batch at its first micro-batch, naming the
+  settings that make it one micro-batch per rank. verl's engine gives every rank the same number of micro-batches
+  (``same_micro_num_in_dp``), so the cross-rank collectives below cannot hang there, and all ranks take the same
+  decision (the compared counts are all-reduced).
+- verl < 0.8 (Trinity's legacy ``dp_actor``): the data carries no token count (asking for it would be a KeyError in
+  ``DataProto.select``), so a loss cannot see a split, and ranks may get different micro-batch counts (a
+  collective could hang). There: more than one rank is refused; one rank runs only with
+  ``assume_one_micro_batch: true`` (the user's statement that the settings in docs/integrations/trinity.md hold,
+  logged as ``<loss>/unverified_micro_batching``).
 
 Which of the two is decided once, at construction, by Trinity's own rule (``is_verl_legacy``: verl < 0.8); the
 argument ``batch_num_tokens_from_data`` overrides it.
 
-What stays per micro-batch: M2PO's token selection (Algorithm 1) sees one micro-batch (``m2_scope: local``) or the
-same-index micro-batches of all data-parallel ranks (``m2_scope: dp_group``); a loss object never sees the rest of
-the mini-batch. It is Algorithm 1 over the whole mini-batch when each rank's mini-batch is a single micro-batch. FIPO
-decides per row, so it is exact at the mini-batch level on the engine path. See docs/integrations/trinity.md.
+M2PO's ratio must be against the behaviour (rollout) policy: the loss also reads ``rollout_log_probs`` and refuses
+when ``old_log_probs`` differs from it on a valid token (``algorithm.bypass_old_logprobs: false`` recomputes them
+with the trainer's weights, which hides the staleness M2PO is about).
+
+Metrics: ``m2po/*`` and ``fipo/*`` of the whole optimizer mini-batch (all ranks; FIPO's fractions are pooled
+numerators over pooled denominators, one all-reduce), identical on every micro-batch and rank of an exact step, so
+whatever mean Trinity/verl take over micro-batches and ranks logs the step's value.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.metadata
 import sys
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 
-from recipe.fipo.algorithm import fipo_params_from_config
+from recipe.common import masked_log_ratio
+from recipe.fipo.algorithm import fipo_params_from_config, fipo_weights
 from recipe.m2po.algorithm import m2_scope_from_config, m2_threshold_from_config
 from recipe.optimizer_batch import with_global_batch_info
-from recipe.registry import LOSS_AGG_MODES, get_policy_loss_fn
+from recipe.registry import get_policy_loss_fn
+from recipe.versions import check_framework_version, installed_version, parse_version
 
 # The keyword names (Trinity's) that carry verl's global batch information on the engine path.
 GLOBAL_COUNT_KEYS = ("batch_num_tokens", "dp_size")
+# The behaviour log-probs as the explorer recorded them (Trinity's name; bypass_old_logprobs copies them).
+ROLLOUT_KEY = "rollout_log_probs"
 # Where a user sets the arguments in a Trinity config; error messages name the key by this path.
 ARGS_PATH = "algorithm.policy_loss_fn_args"
 SUPPORTED_BACKENDS = ("verl",)
 # Trinity's rule for its verl backend (trinity.trainer.trainer.is_verl_legacy): verl older than this runs the legacy
 # dp_actor, which has no global token count in the data.
 ENGINE_PATH_MIN_VERL = (0, 8)
+# The only aggregation that is exact across micro-batches here: verl's sequence-mean modes divide per micro-batch
+# (the sequence count of the mini-batch is not given to the loss), so they are refused.
+EXACT_AGG_MODES = ("token-mean",)
+#: How to make one micro-batch per rank, quoted by every split refusal.
+ONE_MICRO_BATCH_FIX = ("make each rank's mini-batch one micro-batch: trainer.use_dynamic_bsz: true with "
+                       "trainer.max_token_len_per_gpu >= the prompt+response tokens of one rank's share of "
+                       "buffer.train_batch_size (Trinity's default, 2 x model.max_model_len, usually splits it)")
 
 
 def _verl_version_tuple() -> Optional[Tuple[int, ...]]:
@@ -57,17 +77,8 @@ def _verl_version_tuple() -> Optional[Tuple[int, ...]]:
     module = sys.modules.get("verl")
     text = getattr(module, "__version__", None) if module is not None else None
     if text is None:
-        try:
-            text = importlib.metadata.version("verl")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    parts = []
-    for piece in str(text).split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+        text = installed_version("verl")
+    return parse_version(text) if text is not None else None
 
 
 def engine_path_passes_global_counts() -> bool:
@@ -86,10 +97,10 @@ def _check_backend(cls_name: str, backend: str) -> None:
 
 
 def _check_agg_mode(cls_name: str, loss_agg_mode: str) -> str:
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"{cls_name}: {ARGS_PATH}.loss_agg_mode (set from algorithm.loss_agg_mode) must be one of "
-                         f"{', '.join(LOSS_AGG_MODES)}, got {loss_agg_mode!r}. Fix: algorithm.loss_agg_mode: "
-                         "token-mean.")
+    if loss_agg_mode not in EXACT_AGG_MODES:
+        raise ValueError(f"{cls_name}: algorithm.loss_agg_mode={loss_agg_mode!r} is not supported: only token-mean "
+                         "is exact across verl's micro-batches (the sequence-mean modes would average per "
+                         "micro-batch). Fix: algorithm.loss_agg_mode: token-mean.")
     return loss_agg_mode
 
 
@@ -98,6 +109,12 @@ def _check_flag(cls_name: str, key: str, value: Any) -> Optional[bool]:
         return None
     if not isinstance(value, bool):
         raise ValueError(f"{cls_name}: {ARGS_PATH}.{key} must be true, false or 'auto', got {value!r}")
+    return value
+
+
+def _check_bool(cls_name: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{cls_name}: {ARGS_PATH}.{key} must be true or false, got {value!r}")
     return value
 
 
@@ -123,8 +140,21 @@ def _with_key_path(cls_name: str, exc: ValueError) -> ValueError:
     return ValueError(f"{cls_name}: {ARGS_PATH}.{exc}")
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce_sum(values: List[float], like: torch.Tensor) -> List[float]:
+    """Sum ``values`` over the default process group (a no-op in a world of one). float64: exact token counts."""
+    out = torch.tensor(values, dtype=torch.float64, device=like.device)
+    if _world_size() > 1:
+        torch.distributed.all_reduce(out)
+    return out.tolist()
+
+
 class _RecipeLoss:
-    """What the two classes share: the config dict for the registry call and the call itself.
+    """What the two classes share: argument checks, the engine/legacy decision and the call itself.
 
     Not a PolicyLossFn: Trinity's metaclass needs ``__call__`` in each class body (it reads its signature there), so
     every loss class below declares its own ``__call__`` and hands over to :meth:`_compute`.
@@ -134,50 +164,89 @@ class _RecipeLoss:
     _recipe_config: Dict[str, Any]
     loss_agg_mode: str
     uses_global_counts: bool
+    allow_split_mini_batch: bool
+    assume_one_micro_batch: bool
     _init_args: Dict[str, Any]  # the constructor's arguments, for pickling and repr
 
-    def _init_common(self, loss_agg_mode: str, batch_num_tokens_from_data: Union[bool, str, None]) -> None:
+    def _init_common(self, loss_agg_mode: str, batch_num_tokens_from_data: Union[bool, str, None],
+                     allow_split_mini_batch: Any, assume_one_micro_batch: Any) -> None:
         cls_name = type(self).__name__
+        check_framework_version("trinity-rft", where="recipe.trinity")
         self.loss_agg_mode = _check_agg_mode(cls_name, loss_agg_mode)
         flag = _check_flag(cls_name, "batch_num_tokens_from_data", batch_num_tokens_from_data)
+        self.allow_split_mini_batch = _check_bool(cls_name, "allow_split_mini_batch", allow_split_mini_batch)
+        self.assume_one_micro_batch = _check_bool(cls_name, "assume_one_micro_batch", assume_one_micro_batch)
         self.uses_global_counts = engine_path_passes_global_counts() if flag is None else flag
-        base_keys = [key for key in type(self)._select_keys if key not in GLOBAL_COUNT_KEYS]
+        if self.uses_global_counts and self.assume_one_micro_batch:
+            raise ValueError(f"{cls_name}: {ARGS_PATH}.assume_one_micro_batch is for Trinity's legacy path "
+                             "(verl < 0.8) only; on the engine path the loss checks the micro-batching itself. Fix: "
+                             "remove it (or allow_split_mini_batch: true to accept a split mini-batch)")
+        base = [key for key in type(self)._select_keys if key not in GLOBAL_COUNT_KEYS]
         # The instance's key list shadows the class's: Trinity selects exactly these from its data (select_keys)
         # and its wrapper forwards only these to __call__, so the legacy path never asks for keys it lacks.
-        self._select_keys = base_keys + (list(GLOBAL_COUNT_KEYS) if self.uses_global_counts else [])
+        self._select_keys = base + (list(GLOBAL_COUNT_KEYS) if self.uses_global_counts else [])
 
-    def _config(self, valid: torch.Tensor, batch_num_tokens: Optional[int], dp_size: Optional[int]) -> Dict[str, Any]:
-        if self.loss_agg_mode != "token-mean":
-            # Per micro-batch, as Trinity's built-in losses aggregate (verl's other modes need a global sequence
-            # count, which Trinity does not pass in a form this loss can trust).
-            return dict(self._recipe_config)
+    # ------------------------------------------------------------------------------------------------ the call
+
+    def _compute(self, logprob: torch.Tensor, old_logprob: torch.Tensor, action_mask: torch.Tensor,
+                 advantages: torch.Tensor, batch_num_tokens: Optional[int], dp_size: Optional[int],
+                 rollout_log_probs: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+        valid = action_mask.bool()
+        self._check_behaviour(old_logprob, rollout_log_probs, valid)
         if self.uses_global_counts:
             if batch_num_tokens is None or dp_size is None:
                 raise ValueError(f"{type(self).__name__}: the micro-batch has no batch_num_tokens/dp_size although "
                                  "the verl engine path (verl >= 0.8) puts them there; set "
-                                 f"{ARGS_PATH}.batch_num_tokens_from_data: false to divide per micro-batch")
-            return with_global_batch_info(self._recipe_config, num_tokens=int(batch_num_tokens), dp_size=int(dp_size))
-        # Legacy path: every valid token of the micro-batch (FIPO's dropped rows included), so that Trinity's
-        # fix_actor_microbatch_loss_scale (x micro-batch tokens / mini-batch tokens x world size) makes it exact.
-        return with_global_batch_info(self._recipe_config, num_tokens=int(valid.sum()), dp_size=1)
-
-    def _compute(self, logprob: torch.Tensor, old_logprob: torch.Tensor, action_mask: torch.Tensor,
-                 advantages: torch.Tensor, batch_num_tokens: Optional[int], dp_size: Optional[int],
-                 ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        valid = action_mask.bool()
-        config = self._config(valid, batch_num_tokens, dp_size)
-        self._check_scope(dp_size)
-        loss, metrics = get_policy_loss_fn(self.loss_name)(
-            old_log_prob=old_logprob, log_prob=logprob, advantages=advantages, response_mask=valid,
-            loss_agg_mode=self.loss_agg_mode, config=config)
+                                 f"{ARGS_PATH}.batch_num_tokens_from_data: false only for Trinity's legacy path")
+            loss, metrics = self._engine_call(logprob, old_logprob, valid, advantages, int(batch_num_tokens),
+                                              int(dp_size))
+        else:
+            loss, metrics = self._legacy_call(logprob, old_logprob, valid, advantages)
         out = dict(metrics)
         # Trinity's built-in losses report pg_loss; on the engine path its sum over micro-batches (averaged over
         # ranks) is the mini-batch loss.
         out["pg_loss"] = float(loss.detach().item())
         return loss, out
 
-    def _check_scope(self, dp_size: Optional[int]) -> None:
-        """Overridden by M2PO (the dp_group scope needs the data-parallel group to be the whole world)."""
+    def _registry(self, logprob, old_logprob, valid, advantages, config) -> Tuple[torch.Tensor, Dict[str, float]]:
+        return get_policy_loss_fn(self.loss_name)(
+            old_log_prob=old_logprob, log_prob=logprob, advantages=advantages, response_mask=valid,
+            loss_agg_mode=self.loss_agg_mode, config=config)
+
+    def _check_behaviour(self, old_logprob, rollout_log_probs, valid) -> None:
+        """Overridden by M2PO (its ratio needs the behaviour log-probs)."""
+
+    def _check_world(self, dp_size: int, what: str) -> None:
+        world = _world_size()
+        if dp_size > 1 and world != dp_size:
+            raise ValueError(f"{type(self).__name__}: {what} reduces over the whole torch.distributed world "
+                             f"({world} ranks), but the data-parallel size is {dp_size} (sequence parallelism "
+                             "duplicates tokens across ranks), so no exact cross-rank reduction is available; set "
+                             "trainer.ulysses_sequence_parallel_size: 1")
+
+    def _split_error(self, covered: int, batch_num_tokens: int, dp_size: int, what: str) -> ValueError:
+        ranks = f" over all {dp_size} data-parallel ranks" if dp_size > 1 else ""
+        return ValueError(
+            f"{type(self).__name__}: verl split this rank's optimizer mini-batch into micro-batches (this call covers "
+            f"{covered} of the mini-batch's batch_num_tokens={batch_num_tokens} valid tokens{ranks}), so {what} "
+            f"would not be the mini-batch's. Fix: {ONE_MICRO_BATCH_FIX}; or accept it with {ARGS_PATH}."
+            f"allow_split_mini_batch: true (logged as actor/{self.loss_name}/split_mini_batch)")
+
+    def _legacy_preamble(self) -> Dict[str, float]:
+        world = _world_size()
+        name = type(self).__name__
+        if world > 1:
+            raise ValueError(f"{name}: Trinity's legacy path (verl < 0.8) gives the loss no mini-batch token count "
+                             f"and may give the {world} ranks different micro-batch counts, so {self.loss_name} "
+                             "cannot be exact (nor a cross-rank selection safe) there. Fix: run Trinity with "
+                             "verl >= 0.8 (its engine path), or on one rank")
+        if not self.assume_one_micro_batch:
+            raise ValueError(f"{name}: Trinity's legacy path (verl < 0.8) cannot show the loss whether the "
+                             f"mini-batch was split into micro-batches, so {self.loss_name} is not checked exact "
+                             f"there. Fix: run Trinity with verl >= 0.8, or {ONE_MICRO_BATCH_FIX} (legacy: also "
+                             f"trainer.use_dynamic_bsz: false with ppo_micro_batch_size_per_gpu = the mini-batch) and "
+                             f"set {ARGS_PATH}.assume_one_micro_batch: true")
+        return {f"{self.loss_name}/unverified_micro_batching": 1.0}
 
     def __reduce__(self):
         # Rebuild from the constructor arguments in the receiving process (Ray pickles the loss), so the instance's
@@ -191,31 +260,43 @@ class _RecipeLoss:
 class M2POPolicyLossFn(_RecipeLoss, PolicyLossFn):
     """M2PO (Algorithm 1 of arXiv 2510.01161): ``recipe.registry`` loss ``m2po`` inside Trinity-RFT.
 
-    ``policy_loss_fn_args``: ``m2_threshold`` (tau, default 0.04), ``m2_scope`` (``local`` = each rank's micro-batch;
-    ``dp_group`` = the same micro-batch index on all data-parallel ranks, one selection), ``loss_agg_mode`` (Trinity
-    overwrites it with ``algorithm.loss_agg_mode``), ``batch_num_tokens_from_data`` (``auto``).
+    ``policy_loss_fn_args``: ``m2_threshold`` (tau, default 0.04), ``m2_scope`` (``auto``: one selection over all
+    data-parallel ranks when there are several, else the rank's; ``dp_group``; ``local`` = each rank's own tokens,
+    refused with more than one rank unless ``allow_split_mini_batch``), ``loss_agg_mode`` (Trinity overwrites it
+    with ``algorithm.loss_agg_mode``; token-mean only), ``allow_split_mini_batch`` (false: a mini-batch that verl
+    splits into micro-batches is refused; true: select per micro-batch, logged as ``m2po/split_mini_batch``),
+    ``assume_one_micro_batch`` (legacy path only), ``batch_num_tokens_from_data`` (``auto``).
     """
 
     loss_name = "m2po"
-    ARG_KEYS = ("m2_threshold", "m2_scope", "loss_agg_mode", "batch_num_tokens_from_data")
+    ARG_KEYS = ("m2_threshold", "m2_scope", "loss_agg_mode", "allow_split_mini_batch", "assume_one_micro_batch",
+                "batch_num_tokens_from_data")
+    SCOPES = ("auto", "local", "dp_group")
 
-    def __init__(self, backend: str = "verl", m2_threshold: float = 0.04, m2_scope: str = "local",
-                 loss_agg_mode: str = "token-mean", batch_num_tokens_from_data: Union[bool, str] = "auto",
+    def __init__(self, backend: str = "verl", m2_threshold: float = 0.04, m2_scope: str = "auto",
+                 loss_agg_mode: str = "token-mean", allow_split_mini_batch: bool = False,
+                 assume_one_micro_batch: bool = False, batch_num_tokens_from_data: Union[bool, str] = "auto",
                  **unknown: Any) -> None:
         name = type(self).__name__
         _refuse_unknown(name, unknown, self.ARG_KEYS)
         _check_backend(name, backend)
         super().__init__(backend=backend)
         self._init_args = {"backend": backend, "m2_threshold": m2_threshold, "m2_scope": m2_scope,
-                           "loss_agg_mode": loss_agg_mode, "batch_num_tokens_from_data": batch_num_tokens_from_data}
-        config = {"m2_threshold": m2_threshold, "m2_scope": m2_scope}
-        try:
+                           "loss_agg_mode": loss_agg_mode, "allow_split_mini_batch": allow_split_mini_batch,
+                           "assume_one_micro_batch": assume_one_micro_batch,
+                           "batch_num_tokens_from_data": batch_num_tokens_from_data}
+        if m2_scope not in self.SCOPES:
+            raise ValueError(f"{name}: {ARGS_PATH}.m2_scope must be one of {', '.join(self.SCOPES)}, got "
+                             f"{m2_scope!r}; auto (the default) is the exact one")
+        config = {"m2_threshold": m2_threshold, "m2_scope": "local" if m2_scope == "auto" else m2_scope}
+        try:  # the recipe's own validation of its keys (one implementation)
             self.m2_threshold = m2_threshold_from_config(config)
-            self.m2_scope = m2_scope_from_config(config)
+            m2_scope_from_config(config)
         except ValueError as exc:
             raise _with_key_path(name, exc) from None
-        self._recipe_config = {"m2_threshold": self.m2_threshold, "m2_scope": self.m2_scope}
-        self._init_common(loss_agg_mode, batch_num_tokens_from_data)
+        self.m2_scope = m2_scope
+        self._recipe_config = {"m2_threshold": self.m2_threshold}
+        self._init_common(loss_agg_mode, batch_num_tokens_from_data, allow_split_mini_batch, assume_one_micro_batch)
 
     def __call__(  # type: ignore[override]
         self,
@@ -223,26 +304,72 @@ class M2POPolicyLossFn(_RecipeLoss, PolicyLossFn):
         old_logprob: torch.Tensor,
         action_mask: torch.Tensor,
         advantages: torch.Tensor,
+        rollout_log_probs: torch.Tensor,
         batch_num_tokens: Optional[int] = None,
         dp_size: Optional[int] = None,
         **kwargs: Any,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size)
+        return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size,
+                             rollout_log_probs)
 
-    def _check_scope(self, dp_size: Optional[int]) -> None:
-        if self.m2_scope != "dp_group" or dp_size is None:
-            return
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world != int(dp_size):
-            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.m2_scope=dp_group selects across the whole "
-                             f"torch.distributed world ({world} ranks), but the data-parallel size is {dp_size} "
-                             "(sequence parallelism duplicates tokens across ranks); set m2_scope: local or "
-                             "ulysses_sequence_parallel_size: 1")
+    def _check_behaviour(self, old_logprob, rollout_log_probs, valid) -> None:
+        if rollout_log_probs is None:
+            raise ValueError(f"{type(self).__name__}: the micro-batch has no {ROLLOUT_KEY} (the explorer's "
+                             "log-probs), which M2PO's ratio needs; make the explorer return log-probs")
+        if not torch.equal(old_logprob.detach()[valid], rollout_log_probs.detach().to(old_logprob.dtype)[valid]):
+            raise ValueError(f"{type(self).__name__}: old_log_probs differ from {ROLLOUT_KEY}: "
+                             "algorithm.bypass_old_logprobs: false recomputes them with the trainer's current "
+                             "weights, so M2PO's ratio would no longer see the rollouts' staleness. Fix: "
+                             "algorithm.bypass_old_logprobs: true")
+
+    def resolved_scope(self, dp_size: int) -> str:
+        """The selection scope for ``dp_size`` ranks: ``auto`` is ``dp_group`` with more than one rank."""
+        scope = self.m2_scope
+        if scope == "auto":
+            return "dp_group" if dp_size > 1 else "local"
+        if scope == "local" and dp_size > 1 and not self.allow_split_mini_batch:
+            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.m2_scope=local selects over one rank's tokens, but "
+                             f"the optimizer mini-batch spans {dp_size} data-parallel ranks. Fix: m2_scope: auto (or "
+                             "dp_group); or allow_split_mini_batch: true to accept per-rank selections (logged)")
+        return scope
+
+    def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
+        scope = self.resolved_scope(dp_size)
+        if scope == "dp_group":
+            self._check_world(dp_size, "m2_scope=dp_group")
+        local = int(valid.sum())
+        what = "M2PO's selection (Algorithm 1)"
+        if scope == "local" and dp_size == 1 and local != batch_num_tokens and not self.allow_split_mini_batch:
+            raise self._split_error(local, batch_num_tokens, dp_size, what)  # before any work
+        config = with_global_batch_info({**self._recipe_config, "m2_scope": scope}, num_tokens=batch_num_tokens,
+                                        dp_size=dp_size)
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
+        # dp_group: the selection's count is over the same-index micro-batches of all ranks, the same on every rank
+        covered = int(metrics["m2po/num_valid_tokens"])
+        split = covered != batch_num_tokens
+        if split and not self.allow_split_mini_batch:
+            raise self._split_error(covered, batch_num_tokens, dp_size, what)
+        if self.allow_split_mini_batch:
+            metrics = {**metrics, "m2po/split_mini_batch": float(split)}
+        return loss, metrics
+
+    def _legacy_call(self, logprob, old_logprob, valid, advantages):
+        flags = self._legacy_preamble()
+        # Every valid token of the (single) micro-batch: Trinity's fix_actor_microbatch_loss_scale then is a no-op.
+        config = with_global_batch_info({**self._recipe_config, "m2_scope": "local"}, num_tokens=int(valid.sum()),
+                                        dp_size=1)
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
+        return loss, {**metrics, **flags}
 
     @classmethod
     def default_args(cls) -> Dict[str, Any]:
-        return {"m2_threshold": 0.04, "m2_scope": "local", "loss_agg_mode": "token-mean"}
+        return {"m2_threshold": 0.04, "m2_scope": "auto", "loss_agg_mode": "token-mean"}
+
+
+#: FIPO's metrics and what each is a fraction of (pooled over the step: summed numerators / summed denominators).
+FIPO_TOKEN_FRACTIONS = ("fipo/influence_weights_mean_raw", "fipo/influence_weight_clip_ratio_upper",
+                        "fipo/influence_weight_clip_ratio_lower")
+FIPO_ROW_FRACTIONS = ("fipo/sequence_drop_ratio",)
 
 
 class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
@@ -250,18 +377,25 @@ class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
 
     ``policy_loss_fn_args`` (stalerl's names): ``fipo_decay_rate`` (32), ``fipo_clip_ratio_c`` (10),
     ``fipo_influence_clip_ratio`` (0.2), ``fipo_influence_clip_high_only`` (true), ``fipo_safety_threshold`` (10),
-    ``eps_clip`` (0.2), ``eps_clip_higher`` (null = eps_clip), ``loss_agg_mode``, ``batch_num_tokens_from_data``.
+    ``eps_clip`` (0.2), ``eps_clip_higher`` (null = eps_clip), ``loss_agg_mode``, ``allow_split_mini_batch``,
+    ``assume_one_micro_batch``, ``batch_num_tokens_from_data``.
+
+    The objective is the FIPO reference's over the whole optimizer mini-batch: a dropped row leaves the numerator
+    and the denominator, so the denominator is the mini-batch's valid tokens minus those of its dropped rows (all
+    ranks: one all-reduce). verl's ``batch_num_tokens`` counts the dropped rows; with a split mini-batch the drops of
+    the other micro-batches are unknown to this call, hence the refusal (or, opted in, verl's count).
     """
 
     loss_name = "fipo"
     ARG_KEYS = ("fipo_decay_rate", "fipo_clip_ratio_c", "fipo_influence_clip_ratio", "fipo_influence_clip_high_only",
-                "fipo_safety_threshold", "eps_clip", "eps_clip_higher", "loss_agg_mode",
-                "batch_num_tokens_from_data")
+                "fipo_safety_threshold", "eps_clip", "eps_clip_higher", "loss_agg_mode", "allow_split_mini_batch",
+                "assume_one_micro_batch", "batch_num_tokens_from_data")
 
     def __init__(self, backend: str = "verl", fipo_decay_rate: float = 32.0, fipo_clip_ratio_c: float = 10.0,
                  fipo_influence_clip_ratio: float = 0.2, fipo_influence_clip_high_only: bool = True,
                  fipo_safety_threshold: float = 10.0, eps_clip: float = 0.2, eps_clip_higher: Optional[float] = None,
-                 loss_agg_mode: str = "token-mean", batch_num_tokens_from_data: Union[bool, str] = "auto",
+                 loss_agg_mode: str = "token-mean", allow_split_mini_batch: bool = False,
+                 assume_one_micro_batch: bool = False, batch_num_tokens_from_data: Union[bool, str] = "auto",
                  **unknown: Any) -> None:
         name = type(self).__name__
         _refuse_unknown(name, unknown, self.ARG_KEYS)
@@ -273,13 +407,15 @@ class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
                   "fipo_safety_threshold": fipo_safety_threshold, "eps_clip": eps_clip,
                   "eps_clip_higher": eps_clip_higher}
         self._init_args = {"backend": backend, **config, "loss_agg_mode": loss_agg_mode,
+                           "allow_split_mini_batch": allow_split_mini_batch,
+                           "assume_one_micro_batch": assume_one_micro_batch,
                            "batch_num_tokens_from_data": batch_num_tokens_from_data}
-        try:
+        try:  # the recipe's own validation of its keys (one implementation)
             self.params = fipo_params_from_config(config)
         except ValueError as exc:
             raise _with_key_path(name, exc) from None
         self._recipe_config = {key: value for key, value in config.items() if value is not None}
-        self._init_common(loss_agg_mode, batch_num_tokens_from_data)
+        self._init_common(loss_agg_mode, batch_num_tokens_from_data, allow_split_mini_batch, assume_one_micro_batch)
 
     def __call__(  # type: ignore[override]
         self,
@@ -292,6 +428,45 @@ class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
         **kwargs: Any,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
         return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size)
+
+    def _counts(self, logprob, old_logprob, valid, advantages) -> List[float]:
+        """This micro-batch's [valid tokens, kept tokens (after the drop), rows, FIPO numerators...]."""
+        d = masked_log_ratio(old_logprob, logprob.detach(), valid)  # the registry's FIPO sees the same d
+        weights = fipo_weights(d, advantages, valid, self.params)
+        n_valid = float(valid.sum())
+        rows = float(valid.shape[0])
+        numerators = [weights.metrics[k] * n_valid for k in FIPO_TOKEN_FRACTIONS]
+        numerators += [weights.metrics[k] * rows for k in FIPO_ROW_FRACTIONS]
+        return [n_valid, float(weights.loss_mask.sum()), rows, *numerators]
+
+    @staticmethod
+    def _pooled(totals: List[float]) -> Dict[str, float]:
+        n_valid, _, rows, *numerators = totals
+        names = FIPO_TOKEN_FRACTIONS + FIPO_ROW_FRACTIONS
+        denominators = [n_valid] * len(FIPO_TOKEN_FRACTIONS) + [rows] * len(FIPO_ROW_FRACTIONS)
+        return {k: num / max(den, 1.0) for k, num, den in zip(names, numerators, denominators)}
+
+    def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
+        self._check_world(dp_size, "FIPO's step-wide token count")
+        totals = _all_reduce_sum(self._counts(logprob, old_logprob, valid, advantages), valid)
+        covered, kept = int(totals[0]), int(totals[1])
+        split = covered != batch_num_tokens
+        if split and not self.allow_split_mini_batch:
+            raise self._split_error(covered, batch_num_tokens, dp_size, "the tokens of FIPO's dropped rows")
+        # exact: the reference's denominator over the mini-batch; opted in and split: verl's count (drops kept)
+        num_tokens = batch_num_tokens if split else kept
+        config = with_global_batch_info(self._recipe_config, num_tokens=num_tokens, dp_size=dp_size)
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
+        metrics = {**metrics, **self._pooled(totals)}
+        if self.allow_split_mini_batch:
+            metrics["fipo/split_mini_batch"] = float(split)
+        return loss, metrics
+
+    def _legacy_call(self, logprob, old_logprob, valid, advantages):
+        flags = self._legacy_preamble()
+        # the registry's FIPO alone is the reference on its tensors: dropped rows leave the sum and the count
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, dict(self._recipe_config))
+        return loss, {**metrics, **flags}
 
     @classmethod
     def default_args(cls) -> Dict[str, Any]:

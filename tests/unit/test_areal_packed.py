@@ -10,7 +10,8 @@ import torch
 
 from m2po_reference import reference_m2po
 from recipe.areal.packed import KEEP_MASK_KEY, packed_policy_loss, packed_rows, select_mini_batch
-from recipe.areal.rules import exact_loss_config_errors
+from recipe.areal.rules import check_areal_version, exact_loss_config_errors
+from recipe.versions import ALLOW_ENV, UntestedFrameworkVersion
 from recipe.registry import get_policy_loss_fn
 
 
@@ -52,9 +53,20 @@ def test_weighted_packed_micro_batches_give_the_whole_mini_batch_loss(loss_name:
     gen = torch.Generator().manual_seed(len(split) * 10 + len(loss_name))
     batch = _padded_batch(gen)
     current = batch["logprobs"] + torch.randn(batch["logprobs"].shape, generator=gen) * 0.4
-    config = SimpleNamespace(m2_threshold=0.04, eps_clip=0.2, eps_clip_higher=None)
-    select_mini_batch(loss_name, batch, current, config)
+    for row in range(batch["loss_mask"].shape[0]):  # one A < 0 row with two tokens of ratio e > c: FIPO drops it
+        where = batch["loss_mask"][row].nonzero().flatten()
+        if batch["advantages"][row, 0] < 0 and where.numel() >= 2:
+            current[row, where[:2]] = batch["logprobs"][row, where[:2]] + 1.0
+            break
+    # c = 1.3: FIPO drops rows here (two A < 0 tokens with ratio > c)
+    config = SimpleNamespace(m2_threshold=0.04, eps_clip=0.2, eps_clip_higher=None, fipo_clip_ratio_c=1.3)
+    decided = select_mini_batch(loss_name, batch, current, config)
     assert (KEEP_MASK_KEY in batch) == (loss_name == "m2po")
+    if loss_name == "fipo":
+        assert decided.num_kept_tokens < decided.num_valid_tokens == int(batch["loss_mask"].sum())
+        assert decided.step_scale == decided.num_valid_tokens / decided.num_kept_tokens
+    else:
+        assert decided.step_scale == 1.0
 
     # what AReaL does: per micro-batch loss * its valid tokens / all valid tokens of the mini-batch
     total_valid = int(batch["loss_mask"].sum())
@@ -64,11 +76,13 @@ def test_weighted_packed_micro_batches_give_the_whole_mini_batch_loss(loss_name:
     for n in split:
         part = _pack({**batch, "current": current_leaf}, slice(start, start + n))
         start += n
-        loss, metrics, kept = packed_policy_loss(loss_name, part.pop("current"), part, config)
+        loss, metrics, kept = packed_policy_loss(loss_name, part.pop("current"), part, config,
+                                                 step_scale=decided.step_scale)
         total = total + loss * part["loss_mask"].count_nonzero() / total_valid
         assert kept.shape == part["loss_mask"].shape and metrics
     total.backward()
 
+    # the registry's loss in one call on the whole mini-batch (FIPO: the reference, dropped rows out of both sums)
     extras = {"keep_mask": batch[KEEP_MASK_KEY]} if loss_name == "m2po" else {}
     expected_leaf = current.clone().requires_grad_(True)
     expected, _ = get_policy_loss_fn(loss_name)(
@@ -90,7 +104,7 @@ def test_mini_batch_selection_is_the_literal_algorithm_1_mask() -> None:
     valid = batch["loss_mask"]
     assert torch.equal(batch[KEEP_MASK_KEY][valid], expected[valid])
     assert (~expected[valid]).any(), "the data must make Algorithm 1 mask something"
-    assert plan.num_tokens == int(valid.sum()) and plan.selection.num_masked == int((~expected[valid]).sum())
+    assert plan.num_valid_tokens == int(valid.sum()) and plan.selection.num_masked == int((~expected[valid]).sum())
 
 
 def test_m2po_on_a_micro_batch_without_the_mini_batch_selection_is_refused() -> None:
@@ -125,9 +139,23 @@ def test_config_rules_accept_the_documented_settings() -> None:
     (dict(rejection_sampling={"upper": 5.0}), "actor.rejection_sampling=null"),
     (dict(c_clip=3.0), "actor.c_clip=null"),
     (dict(loss="fipo", m2_threshold=0.04), "actor.m2_threshold=null"),
-    (dict(m2_threshold=-0.1), "actor.m2_threshold must be a number >= 0"),
+    (dict(m2_threshold=-0.1), "actor.m2_threshold must be >= 0"),
+    (dict(m2_threshold=True), "actor.m2_threshold must be a number, got True"),
+    (dict(enable_tree_training=True), "actor.enable_tree_training=false"),
     (dict(loss="fipo", fipo_clip_ratio_c=1.1), "actor.fipo_clip_ratio_c must be > 1"),
 ])
 def test_config_rules_name_the_key_and_the_fix(overrides: dict, key: str) -> None:
     errors = exact_loss_config_errors(_actor(**overrides))
     assert len(errors) == 1 and key in errors[0], errors
+
+
+def test_areal_versions_outside_the_tested_range_are_refused_unless_overridden(monkeypatch) -> None:
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    assert check_areal_version("1.0.4") == "1.0.4"
+    for version in ("1.0.3", "1.1.0", "2.0.0rc1"):
+        with pytest.raises(UntestedFrameworkVersion, match=rf"recipe\.areal: areal {version} is installed, but this "
+                                                           rf"adapter was tested on areal>=1\.0\.4,<1\.1 only"):
+            check_areal_version(version)
+    monkeypatch.setenv(ALLOW_ENV, "areal")
+    with pytest.warns(RuntimeWarning, match="outside the tested range"):
+        assert check_areal_version("1.1.0") == "1.1.0"

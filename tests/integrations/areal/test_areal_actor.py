@@ -152,9 +152,11 @@ def _update(model_dir: Path, loss: str, n_mbs: int, batch: dict, **config_extra:
     return recorder, before, after
 
 
-def _reference_step(model_dir: Path, loss: str, mini_batch: dict) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """recipe.registry's loss and gradient for the whole mini-batch on transformers' forward of the same weights;
-    for M2PO with the literal Algorithm 1 mask (also returned)."""
+def _reference_step(model_dir: Path, loss: str, mini_batch: dict, **config_extra: Any
+                    ) -> tuple[torch.Tensor, dict, torch.Tensor, dict]:
+    """recipe.registry's loss and gradient for the whole mini-batch in one call on transformers' forward of the same
+    weights (FIPO: the reference, a dropped row leaves the numerator and the denominator); for M2PO with the literal
+    Algorithm 1 mask (also returned), and the loss's metrics."""
     mask = mini_batch["loss_mask"].bool()
     model, current = _hf_logprobs(model_dir, mini_batch["input_ids"], mini_batch["attention_mask"], grad=True)
     extras, keep = {}, mask
@@ -163,14 +165,13 @@ def _reference_step(model_dir: Path, loss: str, mini_batch: dict) -> tuple[torch
         literal = reference_m2po(d.tolist(), mini_batch["advantages"].tolist(), mask.tolist(), TAU)
         keep = torch.tensor(literal["keep"]) & mask
         extras["keep_mask"] = keep
-    config = {"m2_threshold": TAU, "eps_clip": 0.2,
-              "global_batch_info": {"batch_num_tokens": int(mask.sum()), "dp_size": 1}}
-    value, _ = get_policy_loss_fn(loss)(old_log_prob=mini_batch["logprobs"], log_prob=current,
-                                        advantages=mini_batch["advantages"], response_mask=mask,
-                                        loss_agg_mode="token-mean", config=config, **extras)
+    config = {"m2_threshold": TAU, "eps_clip": 0.2, **config_extra}
+    value, metrics = get_policy_loss_fn(loss)(old_log_prob=mini_batch["logprobs"], log_prob=current,
+                                              advantages=mini_batch["advantages"], response_mask=mask,
+                                              loss_agg_mode="token-mean", config=config, **extras)
     value.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return value.detach(), grads, keep
+    return value.detach(), grads, keep, metrics
 
 
 def _assert_step_is_minus_gradient(before: dict, after: dict, grads: dict) -> None:
@@ -179,10 +180,26 @@ def _assert_step_is_minus_gradient(before: dict, after: dict, grads: dict) -> No
         torch.testing.assert_close(before[key] - after[key], grad, rtol=2e-4, atol=2e-6, msg=lambda m: f"{name}: {m}")
 
 
+#: FIPO's dual-clip constant in these tests: low enough that the stale batch makes FIPO drop rows (> 1 + eps 0.2).
+FIPO_C = 1.3
+
+
+def _exported() -> dict[str, float]:
+    from areal.utils import stats_tracker
+
+    return stats_tracker.export(reset=True)
+
+
 @pytest.mark.parametrize("loss", ["m2po", "fipo"])
 def test_areal_update_is_the_registry_loss_of_the_whole_mini_batch(model_dir: Path, loss: str) -> None:
+    """AReaL's own loop, 3 packed micro-batches: its loss and update are the registry's on the whole mini-batch (FIPO:
+    the reference, with rows dropped), and the step's m2po/* and fipo/* metrics reach AReaL's stats export pooled
+    over the micro-batches: counts summed, fractions of the whole mini-batch."""
+    extra = {"fipo_clip_ratio_c": FIPO_C} if loss == "fipo" else {}
     batch = _batch(model_dir, seed=11)
-    recorder, before, after = _update(model_dir, loss, n_mbs=3, batch=batch)
+    _exported()  # a clean tracker
+    recorder, before, after = _update(model_dir, loss, n_mbs=3, batch=batch, **extra)
+    stats = _exported()
     # AReaL really split the mini-batch into packed micro-batches of uneven sequence lengths
     assert len(recorder.mini_batches) == 1 and len(recorder.micro_batches) == 3
     for mb in recorder.micro_batches:
@@ -191,23 +208,34 @@ def test_areal_update_is_the_registry_loss_of_the_whole_mini_batch(model_dir: Pa
     assert sorted(seq_lens.tolist()) == sorted(batch["attention_mask"].sum(1).tolist())
 
     mini_batch = recorder.mini_batches[0]
-    expected_loss, grads, literal_keep = _reference_step(model_dir, loss, mini_batch)
+    expected_loss, grads, literal_keep, metrics = _reference_step(model_dir, loss, mini_batch, **extra)
     # the loss AReaL computed (sum of its scaled micro-batch losses) is the registry's on the same tokens
     torch.testing.assert_close(torch.stack(recorder.scaled_losses).sum(), expected_loss, rtol=1e-5, atol=1e-7)
     _assert_step_is_minus_gradient(before, after, grads)
+    mask = mini_batch["loss_mask"].bool()
     if loss == "m2po":
-        mask = mini_batch["loss_mask"].bool()
         assert torch.equal(mini_batch[KEEP_MASK_KEY][mask], literal_keep[mask])
         assert (~literal_keep[mask]).any(), "the batch must be stale enough for Algorithm 1 to mask something"
         # and every micro-batch got its slice of that one selection
         kept = sum(int((mb[KEEP_MASK_KEY].bool() & mb["loss_mask"].bool()).sum()) for mb in recorder.micro_batches)
         assert kept == int(literal_keep[mask].sum())
+        n_masked = int((~literal_keep[mask]).sum())
+        assert stats["m2po/num_masked_tokens"] == n_masked and stats["m2po/num_valid_tokens"] == int(mask.sum())
+        assert stats["m2po/masked_fraction"] == pytest.approx(n_masked / int(mask.sum()), rel=1e-6)
+        for key in ("m2po/m2_before", "m2po/m2_after", "m2po/trust_region_fraction", "m2po/threshold"):
+            assert stats[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-7), key
+    else:
+        assert metrics["fipo/sequence_drop_ratio"] > 0, "the batch must make FIPO drop a row"
+        for key, value in metrics.items():  # pooled over AReaL's 3 micro-batches = the whole mini-batch's
+            assert stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        assert stats["fipo/num_sequences"] == N_SEQ
 
 
 @pytest.mark.parametrize("loss", ["m2po", "fipo"])
 def test_areal_update_does_not_depend_on_the_micro_batch_split(model_dir: Path, loss: str) -> None:
+    extra = {"fipo_clip_ratio_c": FIPO_C} if loss == "fipo" else {}
     batch = _batch(model_dir, seed=12)
-    results = {n: _update(model_dir, loss, n_mbs=n, batch=batch) for n in (1, 4)}
+    results = {n: _update(model_dir, loss, n_mbs=n, batch=batch, **extra) for n in (1, 4)}
     assert [len(results[n][0].micro_batches) for n in (1, 4)] == [1, 4]
     (_, before1, after1), (_, before4, after4) = results[1], results[4]
     for name in before1:
@@ -217,16 +245,23 @@ def test_areal_update_does_not_depend_on_the_micro_batch_split(model_dir: Path, 
 
 
 def test_first_mini_batch_reuses_prox_logp_and_a_fresh_forward_gives_the_same_selection(model_dir: Path) -> None:
+    """prox_logp_method=recompute reuses AReaL's prox_logp; no decoupled loss (no prox_logp) and loglinear (prox_logp
+    only approximated: here deliberately wrong) run a forward instead: the same selection and update each time."""
     batch = _batch(model_dir, seed=13)
     with_prox, _, after_prox = _update(model_dir, "m2po", n_mbs=2, batch=batch)
     without = {k: v for k, v in batch.items() if k != "prox_logp"}
     fresh, _, after_fresh = _update(model_dir, "m2po", n_mbs=2, batch=without,
                                     use_decoupled_loss=False, recompute_logprob=False)
+    approximated = {**batch, "prox_logp": batch["prox_logp"] + 0.3 * batch["loss_mask"]}
+    loglinear, _, after_loglinear = _update(model_dir, "m2po", n_mbs=2, batch=approximated,
+                                            prox_logp_method="loglinear")
+    metrics_method, _, after_metrics = _update(model_dir, "m2po", n_mbs=2, batch=batch, prox_logp_method="metrics")
     keep_a = with_prox.mini_batches[0][KEEP_MASK_KEY]
-    keep_b = fresh.mini_batches[0][KEEP_MASK_KEY]
-    assert torch.equal(keep_a, keep_b)
+    for other in (fresh, loglinear, metrics_method):
+        assert torch.equal(keep_a, other.mini_batches[0][KEEP_MASK_KEY])
     for name in after_prox:
-        torch.testing.assert_close(after_prox[name], after_fresh[name], rtol=1e-5, atol=1e-7)
+        for other in (after_fresh, after_loglinear, after_metrics):
+            torch.testing.assert_close(after_prox[name], other[name], rtol=1e-5, atol=1e-7)
 
 
 def test_later_mini_batches_select_with_the_updated_weights(model_dir: Path) -> None:
@@ -268,7 +303,77 @@ def test_later_mini_batches_select_with_the_updated_weights(model_dir: Path) -> 
 def test_actor_config_refuses_what_the_exact_loss_would_ignore(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"actor\.rejection_sampling=null"):
         _actor_config(model_dir, "m2po", 1, rejection_sampling={"upper": 5.0})
+    with pytest.raises(ValueError, match=r"actor\.enable_tree_training=false"):
+        _actor_config(model_dir, "fipo", 1, enable_tree_training=True)
     with pytest.raises(ValueError, match=r"actor\.use_decoupled_loss=true"):
         _actor_config(model_dir, "m2po", 1, use_decoupled_loss=False)
     with pytest.raises(ValueError, match=r"actor\.loss must be one of"):
         _actor_config(model_dir, "m3po", 1)
+
+
+def test_an_untested_areal_version_is_refused_when_the_adapter_is_built(model_dir: Path, monkeypatch) -> None:
+    import recipe.versions as versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda key: "1.1.0" if key == "areal" else real(key))
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(versions.UntestedFrameworkVersion, match=r"recipe\.areal: areal 1\.1\.0 is installed, but "
+                                                              r"this adapter was tested on areal>=1\.0\.4,<1\.1"):
+        _actor_config(model_dir, "m2po", 1)
+    from recipe.areal.actor import ExactLossPPOActor
+
+    with pytest.raises(versions.UntestedFrameworkVersion, match=r"STALERL_ALLOW_UNTESTED_FRAMEWORKS=areal"):
+        ExactLossPPOActor(object(), object())  # the actor checks before it reads anything
+
+
+def test_a_release_that_moves_the_update_loop_fails_loudly_and_never_runs_arealss_own_m2po(model_dir: Path,
+                                                                                           monkeypatch) -> None:
+    """Two simulated AReaL releases: (a) ``_ppo_update`` reaches the engine through a reference it took at
+    construction, so AReaL's grpo_loss_fn would reach engine.train_batch behind the adapter's view; (b) the loop moved
+    elsewhere (here: ``_ppo_update`` trains nothing through the view). Both stop with one error, the weights untouched;
+    AReaL's own M2PO attribute is off either way."""
+    from areal.trainer.ppo.actor import PPOActor
+
+    from recipe.areal.actor import ExactPathNotTaken
+
+    batch = _batch(model_dir, seed=15)
+    original_init, original_update = PPOActor.__init__, PPOActor._ppo_update
+
+    def init_keeping_the_engine(self, config, engine):
+        original_init(self, config, engine)
+        self._engine_at_init = engine
+
+    def update_through_the_kept_engine(self, data):
+        view, self.engine = self.engine, self._engine_at_init
+        try:
+            original_update(self, data)
+        finally:
+            self.engine = view
+
+    monkeypatch.setattr(PPOActor, "__init__", init_keeping_the_engine)
+    monkeypatch.setattr(PPOActor, "_ppo_update", update_through_the_kept_engine)
+    engine = _engine(_actor_config(model_dir, "m2po", n_mbs=2, m2_threshold=TAU))
+    assert engine.actor.m2_threshold is None and engine.config.m2_threshold == TAU
+    before = _full_params(engine)
+    with pytest.raises(ExactPathNotTaken, match=r"engine\.train_batch was called with grpo_loss_fn, not the exact "
+                                               r"loss.*stopped instead of falling back to AReaL's own loss"):
+        engine.ppo_update([{k: v.clone() for k, v in batch.items()}])
+    assert "train_batch" not in vars(engine), "the guard is removed after the update"
+    monkeypatch.setattr(PPOActor, "_ppo_update", lambda self, data: None)  # (b): the loop is somewhere else
+    with pytest.raises(ExactPathNotTaken, match=r"_ppo_update returned without calling the adapter's "
+                                               r"engine\.train_batch"):
+        engine.ppo_update([{k: v.clone() for k, v in batch.items()}])
+    after = _full_params(engine)
+    engine.destroy()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_a_batch_for_arealss_distillation_is_refused_by_the_exact_loss() -> None:
+    from recipe.areal.actor import exact_loss_fn
+
+    packed = {"loss_mask": torch.ones(3), "logprobs": torch.zeros(3), "advantages": torch.ones(3),
+              "cu_seqlens": torch.tensor([0, 3]), "teacher_logp": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"teacher distillation \(teacher_logp in the batch\) is part of AReaL's own "
+                                         r"loss only; unset actor\.loss or the teacher"):
+        exact_loss_fn(torch.zeros(3), torch.zeros(3), packed, loss_name="fipo", config={})

@@ -106,6 +106,7 @@ def test_single_controller_builds_the_exact_loss_engine_in_the_worker_from_its_i
     assert type(engine) is ExactLossFSDPPPOActor and type(engine.actor) is ExactLossPPOActor
     assert type(engine.config) is ExactLossPPOActorConfig
     assert engine.actor.loss_name == "m2po" and engine.config.m2_threshold == 0.02
+    assert engine.actor.m2_threshold is None  # AReaL's own M2PO is off in the worker too (0.02 is Algorithm 1's tau)
 
 
 def test_spmd_mode_builds_the_exact_loss_engine_here_and_leaves_the_reference_model_to_areal(monkeypatch, model_dir):

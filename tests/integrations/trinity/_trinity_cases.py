@@ -52,7 +52,8 @@ def mini_batch(seed: int, n_seq: int = 8, max_prompt: int = 5, max_response: int
     return {
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
-        "old_log_probs": old, "advantages": adv * response_mask, "table": table,
+        "old_log_probs": old, "rollout_log_probs": old.clone(),  # algorithm.bypass_old_logprobs: true copies them
+        "advantages": adv * response_mask, "table": table,
         "seq_id": torch.arange(n_seq),
     }
 
@@ -169,17 +170,21 @@ def run_engine(name: str, rows: dict[str, torch.Tensor], micro_batching: dict[st
     return table.grad, seen
 
 
-# Runs of the two-rank test: (label, loss, policy_loss_fn_args, micro-batching of each rank's half).
+# Runs of the two-rank test: (label, loss, policy_loss_fn_args, micro-batching of each rank's half). A run whose
+# loss refuses records the message instead (every rank must refuse at the same call, none may hang).
 DP_RUNS = (
-    ("m2po_dp_group", "m2po", {"m2_threshold": 0.04, "m2_scope": "dp_group"},
+    ("m2po_auto", "m2po", {"m2_threshold": 0.04}, {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
+    ("fipo_one", "fipo", ARGS["fipo"], {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
+    ("m2po_split", "m2po", {"m2_threshold": 0.04}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24}),
+    ("fipo_split", "fipo", ARGS["fipo"], {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24}),
+    ("m2po_local", "m2po", {"m2_threshold": 0.04, "m2_scope": "local"},
      {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4}),
-    ("fipo_dynamic", "fipo", ARGS["fipo"], {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24}),
 )
 
 
 def dp_rank(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
     """One data-parallel rank (torch.multiprocessing.spawn target): its contiguous share of ``mini_batch(seed)``
-    through verl's engine loop with Trinity's loss; saves the gradient and the per-micro-batch log."""
+    through verl's engine loop with Trinity's loss; saves the gradient and the per-micro-batch log (or the error)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -191,8 +196,12 @@ def dp_rank(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
         results = {}
         with torch_padding_kernels():
             for label, name, args, batching in DP_RUNS:
-                grad, seen = run_engine(name, mine, batching, args=args, table=rows["table"])
-                results[label] = {"grad": grad, "seen": seen}
+                try:
+                    grad, seen = run_engine(name, mine, batching, args=args, table=rows["table"])
+                except ValueError as err:
+                    results[label] = {"error": str(err)}
+                else:
+                    results[label] = {"grad": grad, "seen": seen}
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

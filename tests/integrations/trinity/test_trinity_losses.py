@@ -85,11 +85,13 @@ def test_trinity_registry_resolves_the_dotted_paths(name: str) -> None:
     assert algo.policy_loss_fn_args == cls.default_args()
     fn = POLICY_LOSS_FN.get(algo.policy_loss_fn)(backend="verl", **algo.policy_loss_fn_args)
     assert isinstance(fn, cls) and fn.loss_agg_mode == "token-mean"
-    # Trinity overwrites the args' loss_agg_mode with algorithm.loss_agg_mode; the loss follows it.
+    # Trinity overwrites the args' loss_agg_mode with algorithm.loss_agg_mode; a mode that would average per
+    # micro-batch is refused when Trinity builds the loss (before the first update).
     algo = C.validated_algorithm(PATHS[name], dict(ARGS[name], loss_agg_mode="token-mean"),
                                 loss_agg_mode="seq-mean-token-mean")
-    assert POLICY_LOSS_FN.get(algo.policy_loss_fn)(backend="verl", **algo.policy_loss_fn_args).loss_agg_mode == \
-        "seq-mean-token-mean"
+    with pytest.raises(ValueError, match=r"algorithm\.loss_agg_mode='seq-mean-token-mean' is not supported: only "
+                                         r"token-mean is exact across verl's micro-batches"):
+        POLICY_LOSS_FN.get(algo.policy_loss_fn)(backend="verl", **algo.policy_loss_fn_args)
 
 
 @pytest.mark.parametrize("name", ["m2po", "fipo"])
@@ -99,8 +101,10 @@ def test_select_keys_are_verls_names_and_follow_the_verl_path(name: str) -> None
     cls = POLICY_LOSS_FN.get(PATHS[name])
     engine = cls(backend="verl", batch_num_tokens_from_data=True)
     legacy = cls(backend="verl", batch_num_tokens_from_data=False)
-    assert engine.select_keys == ["old_log_probs", "response_mask", "advantages", "batch_num_tokens", "dp_size"]
-    assert legacy.select_keys == ["old_log_probs", "response_mask", "advantages"]
+    behaviour = ["rollout_log_probs"] if name == "m2po" else []
+    assert engine.select_keys == ["old_log_probs", "response_mask", "advantages", *behaviour, "batch_num_tokens",
+                                  "dp_size"]
+    assert legacy.select_keys == ["old_log_probs", "response_mask", "advantages", *behaviour]
     from recipe.trinity import engine_path_passes_global_counts
 
     auto = cls(backend="verl")
@@ -112,25 +116,32 @@ def test_select_keys_are_verls_names_and_follow_the_verl_path(name: str) -> None
         assert auto.uses_global_counts is (parse(verl.__version__) >= parse("0.8.0"))
 
 
+def _inputs(rows: dict, *keys: str) -> dict:
+    return {k: rows[k] for k in ("old_log_probs", "response_mask", "advantages", "rollout_log_probs", *keys)}
+
+
 @pytest.mark.parametrize("name", ["m2po", "fipo"])
-def test_legacy_call_convention_equals_the_registry(name: str) -> None:
-    """verl < 0.8 (Trinity's dp_actor): ``fn(logprob=..., **micro_batch)`` with all of the batch's keys; the loss
-    divides by the micro-batch's valid tokens (what fix_actor_microbatch_loss_scale expects)."""
+def test_legacy_call_convention_equals_the_reference(name: str) -> None:
+    """verl < 0.8 (Trinity's dp_actor): ``fn(logprob=..., **micro_batch)`` with all of the batch's keys. Only with
+    ``assume_one_micro_batch`` (logged): M2PO divides by the micro-batch's valid tokens, FIPO is the reference on it
+    (dropped rows leave the sum and the count)."""
     from trinity.algorithm import POLICY_LOSS_FN
 
     rows = C.mini_batch(seed=3)
-    fn = POLICY_LOSS_FN.get(PATHS[name])(backend="verl", batch_num_tokens_from_data=False, **ARGS[name])
+    fn = POLICY_LOSS_FN.get(PATHS[name])(backend="verl", batch_num_tokens_from_data=False,
+                                         assume_one_micro_batch=True, **ARGS[name])
     lp = rows["table"].clone().requires_grad_(True)
     micro_batch = {k: v for k, v in rows.items() if k != "table"}
     loss, metrics = fn(logprob=lp, pad_token_id=0, **micro_batch)
     (grad,) = torch.autograd.grad(loss, lp)
     lp_ref = rows["table"].clone().requires_grad_(True)
     n_valid = int(rows["response_mask"].sum())
-    expected, expected_metrics = C.registry_loss(name, rows, lp_ref, num_tokens=n_valid)
+    expected, expected_metrics = C.registry_loss(name, rows, lp_ref, num_tokens=n_valid if name == "m2po" else None)
     (expected_grad,) = torch.autograd.grad(expected, lp_ref)
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
     assert {k: metrics[k] for k in expected_metrics} == expected_metrics
+    assert metrics[f"{name}/unverified_micro_batching"] == 1.0
     assert metrics["pg_loss"] == pytest.approx(float(expected.detach()))
     if name == "m2po":
         literal, n_masked = C.literal_m2po_loss(rows, rows["table"], n_valid)
@@ -141,18 +152,37 @@ def test_legacy_call_convention_equals_the_registry(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["m2po", "fipo"])
+def test_legacy_path_refuses_what_it_cannot_check(name: str, monkeypatch) -> None:
+    from trinity.algorithm import POLICY_LOSS_FN
+
+    import recipe.trinity.losses as losses
+
+    rows = C.mini_batch(seed=3)
+    cls = POLICY_LOSS_FN.get(PATHS[name])
+    with pytest.raises(ValueError, match=r"legacy path \(verl < 0\.8\) cannot show the loss whether the mini-batch "
+                                         r"was split.*assume_one_micro_batch: true"):
+        cls(backend="verl", batch_num_tokens_from_data=False, **ARGS[name])(logprob=rows["table"], **_inputs(rows))
+    monkeypatch.setattr(losses, "_world_size", lambda: 2)  # two ranks: counts may differ, a collective could hang
+    with pytest.raises(ValueError, match=r"may give the 2 ranks different micro-batch counts"):
+        cls(backend="verl", batch_num_tokens_from_data=False, assume_one_micro_batch=True,
+            **ARGS[name])(logprob=rows["table"], **_inputs(rows))
+    with pytest.raises(ValueError, match=r"assume_one_micro_batch is for Trinity's legacy path"):
+        cls(backend="verl", batch_num_tokens_from_data=True, assume_one_micro_batch=True)
+
+
+@pytest.mark.parametrize("name", ["m2po", "fipo"])
 def test_the_loss_survives_pickling_as_ray_ships_it(name: str) -> None:
     import ray.cloudpickle
     from trinity.algorithm import POLICY_LOSS_FN
 
-    fn = POLICY_LOSS_FN.get(PATHS[name])(backend="verl", batch_num_tokens_from_data=False, **ARGS[name])
+    fn = POLICY_LOSS_FN.get(PATHS[name])(backend="verl", batch_num_tokens_from_data=False,
+                                         assume_one_micro_batch=True, **ARGS[name])
     rows = C.mini_batch(seed=5)
-    inputs = {k: rows[k] for k in ("old_log_probs", "response_mask", "advantages")}
-    expected = fn(logprob=rows["table"], **inputs)
+    expected = fn(logprob=rows["table"], **_inputs(rows))
     for dumps in (pickle.dumps, ray.cloudpickle.dumps):
         clone = pickle.loads(dumps(fn))
         assert type(clone) is type(fn) and clone.select_keys == fn.select_keys
-        got = clone(logprob=rows["table"], **inputs)
+        got = clone(logprob=rows["table"], **_inputs(rows))
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
         assert got[1] == expected[1]
 
@@ -166,16 +196,37 @@ def test_bad_arguments_fail_at_construction_naming_the_key() -> None:
         m2po(backend="verl", m2_treshold=0.04)
     with pytest.raises(ValueError, match=r"algorithm\.policy_loss_fn_args\.m2_threshold must be >= 0"):
         m2po(backend="verl", m2_threshold=-0.1)
-    with pytest.raises(ValueError, match=r"m2_scope must be one of local, dp_group"):
+    with pytest.raises(ValueError, match=r"m2_scope must be one of auto, local, dp_group"):
         m2po(backend="verl", m2_scope="world")
     with pytest.raises(ValueError, match=r"backend 'tinker' is not supported"):
         m2po(backend="tinker")
-    with pytest.raises(ValueError, match=r"loss_agg_mode .* must be one of"):
+    with pytest.raises(ValueError, match=r"loss_agg_mode='sum' is not supported"):
         m2po(backend="verl", loss_agg_mode="sum")
+    with pytest.raises(ValueError, match=r"allow_split_mini_batch must be true or false, got 'yes'"):
+        m2po(backend="verl", allow_split_mini_batch="yes")
     with pytest.raises(ValueError, match=r"algorithm\.policy_loss_fn_args\.fipo_clip_ratio_c must be > 1 \+ eps_high"):
         fipo(backend="verl", fipo_clip_ratio_c=1.1)
     with pytest.raises(ValueError, match=r"'clip_range' \(did you mean 'eps_clip'\?\); accepted keys: "):
         fipo(backend="verl", clip_range=0.2)
+
+
+@pytest.mark.parametrize("name", ["m2po", "fipo"])
+def test_an_untested_trinity_version_is_refused_unless_overridden(name: str, monkeypatch) -> None:
+    import recipe.versions as versions
+    from trinity.algorithm import POLICY_LOSS_FN
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda key: "0.7.0" if key == "trinity-rft" else real(key))
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(versions, "_warned", set())  # the override warns once per process and version
+    cls = POLICY_LOSS_FN.get(PATHS[name])
+    with pytest.raises(versions.UntestedFrameworkVersion,
+                       match=r"recipe\.trinity: trinity-rft 0\.7\.0 is installed, but this adapter was tested on "
+                             r"trinity-rft>=0\.6,<0\.7 only.*STALERL_ALLOW_UNTESTED_FRAMEWORKS=trinity-rft"):
+        cls(backend="verl")
+    monkeypatch.setenv(versions.ALLOW_ENV, "trinity-rft")
+    with pytest.warns(RuntimeWarning, match=r"outside the tested range"):
+        cls(backend="verl")
 
 
 def test_dp_group_scope_refuses_a_world_larger_than_the_data_parallel_group() -> None:
@@ -183,9 +234,9 @@ def test_dp_group_scope_refuses_a_world_larger_than_the_data_parallel_group() ->
 
     fn = POLICY_LOSS_FN.get(M2PO_PATH)(backend="verl", m2_scope="dp_group", batch_num_tokens_from_data=True)
     rows = C.mini_batch(seed=1)
-    with pytest.raises(ValueError, match=r"m2_scope=dp_group .* data-parallel size is 2"):
-        fn(logprob=rows["table"], old_log_probs=rows["old_log_probs"], response_mask=rows["response_mask"],
-           advantages=rows["advantages"], batch_num_tokens=int(rows["response_mask"].sum()), dp_size=2)
+    with pytest.raises(ValueError, match=r"m2_scope=dp_group reduces over the whole torch\.distributed world .* "
+                                         r"data-parallel size is 2"):
+        fn(logprob=rows["table"], batch_num_tokens=int(rows["response_mask"].sum()), dp_size=2, **_inputs(rows))
 
 
 # ------------------------------------------------------------------------------------------------ verl engine path
@@ -211,43 +262,65 @@ def padding_kernels():
         yield
 
 
-MICRO_BATCHINGS = {
-    "one": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 8},
-    "fixed2": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
-    "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24},
+ONE = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 8}
+ONES = {  # one micro-batch per rank: a fixed size of the whole mini-batch, or Trinity's dynamic mode with a budget
+    "fixed8": ONE,  # that holds it (trainer.max_token_len_per_gpu >= the rank's tokens)
+    "dynamic_large": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 4096},
 }
+SPLITS = {
+    "fixed2": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+    "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24},  # Trinity's default mode, a small budget
+}
+SPLIT_REFUSAL = (r"verl split this rank's optimizer mini-batch into micro-batches \(this call covers \d+ of the "
+                 r"mini-batch's batch_num_tokens=\d+ valid tokens\).*trainer\.max_token_len_per_gpu >= .*"
+                 r"allow_split_mini_batch: true")
 
 
 @needs_engine
-@pytest.mark.parametrize("split", list(MICRO_BATCHINGS))
+@pytest.mark.parametrize("one", list(ONES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fipo_through_verls_engine_equals_the_whole_mini_batch(world_of_one, padding_kernels, split: str,
-                                                              seed: int) -> None:
+def test_fipo_one_micro_batch_through_verls_engine_is_the_reference_on_the_mini_batch(
+        world_of_one, padding_kernels, seed: int, one: str) -> None:
+    """Dropped rows leave the numerator and the denominator of the step (the FIPO reference), although verl's
+    batch_num_tokens counts them; the metrics are the whole mini-batch's."""
     rows = C.mini_batch(seed)
-    grad, seen = C.run_engine("fipo", rows, MICRO_BATCHINGS[split])
+    grad, seen = C.run_engine("fipo", rows, ONES[one])
     n_valid = int(rows["response_mask"].sum())
-    assert (len(seen) == 1) == (split == "one")
-    assert all(s["batch_num_tokens"] == n_valid and s["dp_size"] == 1 for s in seen)
-    assert sorted(i for s in seen for i in s["seq_id"]) == list(range(len(rows["seq_id"])))
+    assert len(seen) == 1 and seen[0]["batch_num_tokens"] == n_valid
     lp = rows["table"].clone().requires_grad_(True)
-    expected, _ = C.registry_loss("fipo", rows, lp, num_tokens=n_valid)
+    expected, metrics = C.registry_loss("fipo", rows, lp)  # the registry's FIPO alone: the reference
     expected.backward()
-    torch.testing.assert_close(sum(s["loss"] for s in seen), expected.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(seen[0]["loss"], expected.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, lp.grad, rtol=1e-6, atol=1e-8)
-    assert any(s["metrics"]["actor/fipo/sequence_drop_ratio"] > 0 for s in seen)
+    assert metrics["fipo/sequence_drop_ratio"] > 0, "the data must make FIPO drop a row"
+    for key, value in metrics.items():
+        assert seen[0]["metrics"][f"actor/{key}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    # what keeping the dropped rows in the denominator (verl's count) would have given instead
+    verl_count, _ = C.registry_loss("fipo", rows, rows["table"], num_tokens=n_valid)
+    assert float(verl_count) != pytest.approx(float(expected.detach()), rel=1e-3)
 
 
 @needs_engine
-@pytest.mark.parametrize("split", list(MICRO_BATCHINGS))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_m2po_through_verls_engine_selects_per_micro_batch_and_divides_by_the_mini_batch(
-        world_of_one, padding_kernels, split: str, seed: int) -> None:
-    """The denominator is the mini-batch's; the selection is Algorithm 1 over each micro-batch (the whole
-    mini-batch's when there is one micro-batch)."""
-    rows = C.mini_batch(seed)
-    grad, seen = C.run_engine("m2po", rows, MICRO_BATCHINGS[split])
+@pytest.mark.parametrize("name", ["m2po", "fipo"])
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_split_mini_batch_is_refused_at_its_first_micro_batch(world_of_one, padding_kernels, name: str,
+                                                                split: str) -> None:
+    rows = C.mini_batch(0)
+    with pytest.raises(ValueError, match=SPLIT_REFUSAL):
+        C.run_engine(name, rows, SPLITS[split])
+
+
+@needs_engine
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_opted_in_split_selects_per_micro_batch_and_says_so_on_every_call(world_of_one, padding_kernels,
+                                                                         split: str) -> None:
+    """allow_split_mini_batch: M2PO's Algorithm 1 over each micro-batch (literal reference), the mini-batch's
+    denominator, and m2po/split_mini_batch = 1 on every call."""
+    rows = C.mini_batch(0)
+    grad, seen = C.run_engine("m2po", rows, SPLITS[split], args={"m2_threshold": 0.04, "allow_split_mini_batch": True})
     n_valid = int(rows["response_mask"].sum())
-    assert all(s["batch_num_tokens"] == n_valid and s["dp_size"] == 1 for s in seen)
+    assert len(seen) > 1 and all(s["batch_num_tokens"] == n_valid for s in seen)
+    assert [s["metrics"]["actor/m2po/split_mini_batch"] for s in seen] == [1.0] * len(seen)
     expected_grad = torch.zeros_like(rows["table"])
     for s in seen:
         part = {k: v[s["seq_id"]] for k, v in rows.items()}
@@ -256,17 +329,42 @@ def test_m2po_through_verls_engine_selects_per_micro_batch_and_divides_by_the_mi
         assert s["metrics"]["actor/m2po/num_masked_tokens"] == n_masked
         lp = part["table"].clone().requires_grad_(True)
         loss, _ = C.registry_loss("m2po", part, lp, num_tokens=n_valid)
-        torch.testing.assert_close(s["loss"], loss.detach(), rtol=0, atol=0)
         (g,) = torch.autograd.grad(loss, lp)
         expected_grad[s["seq_id"]] += g
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
-    if split == "one":  # one micro-batch: exactly Algorithm 1 and the registry's loss on the whole mini-batch
-        lp = rows["table"].clone().requires_grad_(True)
-        whole, metrics = C.registry_loss("m2po", rows, lp)
-        torch.testing.assert_close(seen[0]["loss"], whole.detach(), rtol=0, atol=0)
-        assert seen[0]["metrics"]["actor/m2po/num_masked_tokens"] == metrics["m2po/num_masked_tokens"] > 0
-    else:
-        assert len(seen) > 1
+    _, fipo_seen = C.run_engine("fipo", rows, SPLITS[split], args={**ARGS["fipo"], "allow_split_mini_batch": True})
+    assert [s["metrics"]["actor/fipo/split_mini_batch"] for s in fipo_seen] == [1.0] * len(fipo_seen)
+
+
+@needs_engine
+@pytest.mark.parametrize("one", list(ONES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_m2po_one_micro_batch_through_verls_engine_is_algorithm_1_on_the_mini_batch(
+        world_of_one, padding_kernels, seed: int, one: str) -> None:
+    rows = C.mini_batch(seed)
+    grad, seen = C.run_engine("m2po", rows, ONES[one])
+    n_valid = int(rows["response_mask"].sum())
+    assert len(seen) == 1 and seen[0]["batch_num_tokens"] == n_valid and seen[0]["dp_size"] == 1
+    lp = rows["table"].clone().requires_grad_(True)
+    whole, metrics = C.registry_loss("m2po", rows, lp)
+    whole.backward()
+    torch.testing.assert_close(seen[0]["loss"], whole.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(grad, lp.grad, rtol=0, atol=0)
+    literal, n_masked = C.literal_m2po_loss(rows, rows["table"], n_valid)
+    assert float(whole.detach()) == pytest.approx(literal, rel=1e-5)
+    assert seen[0]["metrics"]["actor/m2po/num_masked_tokens"] == metrics["m2po/num_masked_tokens"] == n_masked > 0
+    assert "actor/m2po/split_mini_batch" not in seen[0]["metrics"]  # only the opt-in logs it
+
+
+@needs_engine
+def test_recomputed_old_log_probs_are_refused_for_m2po(world_of_one, padding_kernels) -> None:
+    """algorithm.bypass_old_logprobs: false: Trinity recomputes old_log_probs with the trainer's weights, so they no
+    longer equal the rollout's; the loss refuses instead of measuring the ratio against that proximal policy."""
+    rows = C.mini_batch(0)
+    rows["old_log_probs"] = rows["table"].detach().clone() * rows["response_mask"]  # recomputed: current weights
+    with pytest.raises(ValueError, match=r"old_log_probs differ from rollout_log_probs: algorithm\.bypass_old_logprobs: "
+                                         r"false .* Fix: algorithm\.bypass_old_logprobs: true"):
+        C.run_engine("m2po", rows, ONE)
 
 
 @needs_engine
@@ -274,9 +372,11 @@ def test_two_data_parallel_ranks_reproduce_the_whole_mini_batch(tmp_path) -> Non
     """Two gloo ranks, each with half of the mini-batch, through verl's engine loop (which all-reduces the token count
     and passes dp_size=2). The update is the mean of the ranks' gradients (what FSDP's reduction does).
 
-    - M2PO with m2_scope=dp_group and one micro-batch per rank: exactly Algorithm 1 on the whole mini-batch, and the
-      registry's loss and gradient on it.
-    - FIPO with dynamic micro-batches on each rank: the registry's whole-mini-batch loss and gradient.
+    - M2PO with the default scope (auto: one selection over both ranks) and one micro-batch per rank: exactly
+      Algorithm 1 on the whole mini-batch, and the registry's loss and gradient on it.
+    - FIPO with one micro-batch per rank: the reference on the whole mini-batch (drops pooled over the ranks).
+    - A split (dynamic micro-batches) is refused by both ranks at the same call, for both losses; m2_scope=local
+      is refused with two ranks. Nothing hangs (the spawn would time out the test).
     """
     import torch.multiprocessing as mp
 
@@ -284,21 +384,26 @@ def test_two_data_parallel_ranks_reproduce_the_whole_mini_batch(tmp_path) -> Non
     ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
     rows = C.mini_batch(0)
     n_valid = int(rows["response_mask"].sum())
-    for label, name, _, _ in C.DP_RUNS:
+    for label, name in (("m2po_auto", "m2po"), ("fipo_one", "fipo")):
         seen = [s for r in ranks for s in r[label]["seen"]]
-        assert all(s["batch_num_tokens"] == n_valid and s["dp_size"] == 2 for s in seen)
+        assert len(seen) == 2 and all(s["batch_num_tokens"] == n_valid and s["dp_size"] == 2 for s in seen)
         lp = rows["table"].clone().requires_grad_(True)
-        whole, metrics = C.registry_loss(name, rows, lp, num_tokens=n_valid)
+        whole, metrics = C.registry_loss(name, rows, lp, num_tokens=n_valid if name == "m2po" else None)
         whole.backward()
         torch.testing.assert_close(sum(s["loss"] for s in seen) / 2, whole.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close((ranks[0][label]["grad"] + ranks[1][label]["grad"]) / 2, lp.grad,
                                    rtol=1e-6, atol=1e-8)
+        # the step's metrics, identical on both ranks (so any mean over ranks logs them)
+        for key, value in metrics.items():
+            assert [s["metrics"][f"actor/{key}"] for s in seen] == pytest.approx([value, value], rel=1e-6, abs=1e-9)
         if name == "m2po":
-            assert len(seen) == 2
             literal, n_masked = C.literal_m2po_loss(rows, rows["table"], n_valid)
             assert float(whole.detach()) == pytest.approx(literal, rel=1e-5)
-            # the selection's diagnostics count the whole mini-batch on both ranks
-            assert [s["metrics"]["actor/m2po/num_masked_tokens"] for s in seen] == [n_masked, n_masked]
             assert n_masked == metrics["m2po/num_masked_tokens"] > 0
         else:
-            assert len(seen) > 2
+            assert metrics["fipo/sequence_drop_ratio"] > 0
+    for label in ("m2po_split", "fipo_split"):
+        errors = [r[label].get("error", "") for r in ranks]
+        assert all(e and e == errors[0] for e in errors), errors
+        assert "over all 2 data-parallel ranks" in errors[0] and "allow_split_mini_batch: true" in errors[0]
+    assert all("m2_scope=local selects over one rank's tokens" in r["m2po_local"].get("error", "") for r in ranks)
