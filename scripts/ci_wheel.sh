@@ -34,6 +34,7 @@ echo "built $(basename "$wheel") in $(( $(date +%s) - start ))s"
 # 2. installed as a user installs it: torch first, then the wheel with its extras (torch pinned)
 ci_torch_pin "$work/pin.txt"
 "$PY" -m pip install -q "${wheel}[verl,trl]" "$VERL_REQ" "$TRL_REQ" pytest -c "$work/pin.txt"
+"$PY" -m pip install -q --no-deps --force-reinstall "$wheel"  # a reused venv must test this wheel, not an older stalerl
 "$PY" -m pip check
 if "$PY" -m pip show -f stalerl | grep -qi "editable"; then
   echo "stalerl is installed editable; the wheel lane needs the built wheel" >&2

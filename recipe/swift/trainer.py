@@ -172,9 +172,10 @@ class GRPOTrainer(SwiftGRPOTrainer):
 
     def _recipe_selects(self, window: int) -> bool:
         """Whether this loss needs the whole step's current log-probs (a batch-level selection over >1 call)."""
-        from recipe.registry import get_batch_selector
+        from recipe.registry import needs_step_log_probs
 
-        if get_batch_selector(LOSS_TYPES[self._recipe_loss_type]) is None:
+        # M2PO's batch selection and FIPO's row drops both decide from the step's current log-probs
+        if not needs_step_log_probs(LOSS_TYPES[self._recipe_loss_type]):
             return False
         return window > 1 or self._recipe_group() is not None
 

@@ -31,7 +31,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
-from recipe.registry import get_batch_selector, get_policy_loss_fn
+from recipe.registry import get_policy_loss_fn, needs_step_log_probs
 from recipe.trl.config import GRPOConfig
 from recipe.trl.inputs import behaviour_log_probs, loss_mask
 from recipe.trl.losses import STALERL_LOSS_TYPES, check_vllm_logprobs_mode, loss_config
@@ -155,7 +155,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _plan(self, batches: list[dict[str, Any]], first_logps: torch.Tensor) -> OptimizerBatchPlan:
         """Select and count over ``batches``; the first one's current log-probs are ``first_logps``."""
-        needs_selection = get_batch_selector(self.loss_type) is not None
+        # M2PO's batch selection and FIPO's row drops both decide from the step's current log-probs
+        needs_selection = needs_step_log_probs(self.loss_type)
         micro = []
         for j, batch in enumerate(batches):
             mask = loss_mask(batch)
