@@ -93,29 +93,9 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
     spec["registered_seeds"] = list(spec["seeds"])  # the plan the claims' power is stated for (--seeds may cut it)
-    by_variant = spec.setdefault("variant_losses", {})
-    if not isinstance(by_variant, dict):
-        raise StudyError(f"{p}: 'variant_losses' must map a variant name to the losses run with it")
-    for variant, losses in by_variant.items():
-        if variant not in spec["variants"]:
-            raise StudyError(f"{p}: variant_losses names {variant!r}, which is not in 'variants' "
-                             f"({', '.join(spec['variants']) or 'none'})")
-        bad = [x for x in (losses or []) if x not in spec["losses"]]
-        if not losses or bad:
-            raise StudyError(f"{p}: variant_losses[{variant!r}]={losses!r}: expected a non-empty list of losses "
-                             f"from 'losses' ({', '.join(spec['losses'])})")
-    only = spec.setdefault("setting_losses", {})
-    if not isinstance(only, dict):
-        raise StudyError(f"{p}: 'setting_losses' must map a setting name to the losses run there (e.g. the "
-                         "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
-    for setting, losses in only.items():
-        if setting not in spec["settings"]:
-            raise StudyError(f"{p}: setting_losses names {setting!r}, which is not in 'settings' "
-                             f"({', '.join(spec['settings'])})")
-        bad = [x for x in (losses or []) if x not in spec["losses"]]
-        if not losses or bad:
-            raise StudyError(f"{p}: setting_losses[{setting!r}]={losses!r}: expected a non-empty list of losses "
-                             f"from 'losses' ({', '.join(spec['losses'])})")
+    _check_loss_map(spec, p, "variant_losses", "variants", "a variant name to the losses run with it")
+    _check_loss_map(spec, p, "setting_losses", "settings", "a setting name to the losses run there (e.g. the "
+                    "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
     if isinstance(claims, dict):
         _check_claim_cells(spec, p)
     if spec.get("pilot") is not None:
@@ -127,6 +107,22 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
             raise StudyError(f"{p}: {exc}") from exc
     return spec
 
+
+
+def _check_loss_map(spec: dict[str, Any], p: Any, key: str, names_key: str, what: str) -> None:
+    """``spec[key]`` (default {}) maps names from ``spec[names_key]`` to non-empty lists of the spec's losses: the
+    runs of those variants / settings use only those losses (``variant_losses``, ``setting_losses``)."""
+    mapping = spec.setdefault(key, {})
+    if not isinstance(mapping, dict):
+        raise StudyError(f"{p}: '{key}' must map {what}")
+    for name, losses in mapping.items():
+        if name not in spec[names_key]:
+            raise StudyError(f"{p}: {key} names {name!r}, which is not in '{names_key}' "
+                             f"({', '.join(spec[names_key]) or 'none'})")
+        bad = [x for x in (losses or []) if x not in spec["losses"]]
+        if not losses or bad:
+            raise StudyError(f"{p}: {key}[{name!r}]={losses!r}: expected a non-empty list of losses "
+                             f"from 'losses' ({', '.join(spec['losses'])})")
 
 def _check_claim_cells(spec: dict[str, Any], p: Path) -> None:
     """Every cell a pre-registered claim names must be in the grid (a typo would make a claim untestable)."""
