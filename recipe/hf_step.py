@@ -5,7 +5,7 @@ keep that generation batch split into ``steps_per_generation`` micro-batches in 
 train micro-step ``k`` on ``_buffered_inputs[k % steps_per_generation]``. HF's Trainer then calls the loss once per
 micro-batch and steps the optimizer every ``gradient_accumulation_steps`` of them. With ``steps_per_generation`` a
 multiple of the accumulation steps, an optimizer step lies inside one generation batch, so at its first micro-batch
-all of its micro-batches are in that buffer. This module holds the two pieces both adapters share:
+all of its micro-batches are in that buffer. This module holds the pieces both adapters share:
 
 - :class:`StepWindow`: finds the step's micro-batches in the buffer at its first micro-batch, builds the step's plan
   once (the caller's ``make_plan``: M2PO's selection and the token count over the whole step and every rank), and
@@ -13,6 +13,7 @@ all of its micro-batches are in that buffer. This module holds the two pieces bo
 - :class:`StepMetrics`: the one metrics policy of every adapter. ``m2po/*`` and ``fipo/*`` values are reduced over
   all micro-batches and ranks of an optimizer step and logged once per step: counts are summed, fractions are the
   summed numerator over the summed denominator, maxima the max, minima the min.
+- :func:`check_sharding_backend`: the one refusal of DeepSpeed / FSDP (untested with the exact step).
 
 Torch only; the frameworks are not imported (the adapters pass their trainer's attributes in).
 """
@@ -81,6 +82,24 @@ class StepWindow:
     @property
     def size(self) -> int:
         return len(self.batches)
+
+
+def check_sharding_backend(where: str, loss: str, *, deepspeed: bool, fsdp: bool) -> None:
+    """Refuse DeepSpeed and FSDP (set up through ``accelerate``) for this project's losses, with one line.
+
+    The exact step rests on how HF's Trainer scales and accumulates the loss and on the extra no-grad forwards of
+    the step's later micro-batches; under DeepSpeed (its own gradient accumulation and loss scaling, ZeRO-3's
+    parameter gathering) and FSDP (sharded parameters) none of that is tested, so it is refused rather than run
+    possibly inexact. The adapters call it once their trainer has built its accelerator, before the first update.
+    """
+    backend = "DeepSpeed" if deepspeed else "FSDP" if fsdp else None
+    if backend is not None:
+        raise ValueError(f"{where}: {loss} under {backend} is not supported: the exact optimizer step (one "
+                         "whole-step plan, the step's token count, HF's loss scaling) is tested with plain "
+                         f"data-parallel processes (DDP) only, not under {backend}'s own sharding and gradient "
+                         f"accumulation. Fix: drop --{backend.lower()} and accelerate's {backend} configuration (plain "
+                         "multi-process DDP: torchrun, or accelerate's multi-GPU mode), or use the framework's own "
+                         "loss types")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -202,4 +221,4 @@ def add_plan_selection(metrics: StepMetrics, plan: Any) -> None:
 
 
 __all__ = ["FIPO_STEP_METRICS", "StepMetrics", "StepWindow", "add_fipo_micro_batch", "add_plan_selection",
-           "step_micro_batches"]
+           "check_sharding_backend", "step_micro_batches"]

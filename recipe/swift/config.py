@@ -220,6 +220,10 @@ def check_swift_args(args: Any) -> None:
 
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel", True, "the fused Liger loss bypasses the policy loss", "drop --use_liger_kernel")
+    from recipe.hf_step import check_sharding_backend  # torch-only, shared with the TRL adapter
+
+    check_sharding_backend("recipe.swift", f"--loss_type {loss_type}", deepspeed=bool(getattr(args, "deepspeed", None)),
+                           fsdp=bool(getattr(args, "fsdp", None)))
     level = getattr(args, "importance_sampling_level", "token")
     if level != "token":
         refuse("importance_sampling_level", level, "M2PO and FIPO are token-level losses",

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection
+from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection, check_sharding_backend
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
 from recipe.registry import get_policy_loss_fn
 from recipe.swift.config import (
@@ -94,6 +94,10 @@ class GRPOTrainer(SwiftGRPOTrainer):
             raise ValueError(f"--loss_type {name} does not support a teacher (OPD-RL). Fix: drop the teacher flags")
         if self.use_liger_loss:
             raise ValueError(f"--loss_type {name} does not support the Liger loss. Fix: drop --use_liger_kernel")
+        # accelerate's configuration can turn these on without a flag; only the built trainer knows
+        check_sharding_backend("recipe.swift", f"--loss_type {name}",
+                               deepspeed=bool(self.is_deepspeed_enabled),
+                               fsdp=bool(self.is_fsdp_enabled))
         spg = int(self.args.steps_per_generation)
         ga = int(self.args.gradient_accumulation_steps)
         if spg % ga != 0:

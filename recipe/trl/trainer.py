@@ -29,7 +29,7 @@ import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection
+from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection, check_sharding_backend
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
 from recipe.registry import get_policy_loss_fn, needs_step_log_probs
 from recipe.trl.config import GRPOConfig
@@ -56,8 +56,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._stalerl_window = StepWindow("recipe.trl")  # the current optimizer step's micro-batches and plan
         self._stalerl_metrics = StepMetrics()
+        if self._uses_stalerl_loss:
+            self._stalerl_check_backend()
         if self._uses_stalerl_loss and self.use_vllm and self.vllm_mode == "server":
             self._stalerl_check_vllm_server()
+
+    def _stalerl_check_backend(self) -> None:
+        """DeepSpeed / FSDP (from accelerate's configuration, so only known once HF built the accelerator) are
+        refused for m2po/fipo: the exact step is tested with plain DDP only."""
+        check_sharding_backend("recipe.trl", f"loss_type={self.loss_type!r}",
+                               deepspeed=bool(self.is_deepspeed_enabled),
+                               fsdp=bool(self.is_fsdp_enabled))
 
     def _stalerl_check_vllm_server(self) -> None:
         """TRL checks the server's ``--logprobs-mode`` only with its IS correction on (which m2po/fipo refuse); the

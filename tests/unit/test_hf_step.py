@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, step_micro_batches
+from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, check_sharding_backend, step_micro_batches
 
 
 def test_window_reads_the_step_from_the_buffer_once_and_checks_every_micro_batch() -> None:
@@ -114,3 +114,14 @@ def test_metrics_are_reduced_over_ranks() -> None:
         results = dict(out)
     for rank in (0, 1):
         assert results[rank] == {"c": 3.0, "f": 3 / 30, "hi": 0.0, "lo": 0.0}
+
+
+@pytest.mark.parametrize(("deepspeed", "fsdp", "backend"), [(True, False, "DeepSpeed"), (False, True, "FSDP"),
+                                                            (True, True, "DeepSpeed")])
+def test_deepspeed_and_fsdp_are_refused_in_one_line_naming_the_backend_and_the_fix(deepspeed, fsdp, backend) -> None:
+    check_sharding_backend("recipe.trl", "loss_type='m2po'", deepspeed=False, fsdp=False)  # plain DDP / one process
+    with pytest.raises(ValueError) as err:
+        check_sharding_backend("recipe.trl", "loss_type='m2po'", deepspeed=deepspeed, fsdp=fsdp)
+    message = str(err.value)
+    assert message.startswith(f"recipe.trl: loss_type='m2po' under {backend} is not supported")
+    assert f"Fix: drop --{backend.lower()}" in message and "\n" not in message

@@ -34,7 +34,7 @@ def _args(**overrides):
                 advantage_reweight=None, teacher_model=None, teacher_model_server=None, multi_turn_scheduler=None,
                 sdar_loss_coef=0.0, chord_sft_dataset=None, gradient_accumulation_steps=2, steps_per_generation=4,
                 fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True, fipo_safety_threshold=4.0,
-                delta=None, epsilon=0.2, epsilon_high=None)
+                delta=None, epsilon=0.2, epsilon_high=None, deepspeed=None, fsdp="")
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -98,6 +98,8 @@ def test_unknown_variable_is_refused_whatever_the_loss():
     (dict(loss_type="fipo_ref", fipo_clip_range=0.3), "--fipo_clip_range"),
     (dict(padding_free=True), "--padding_free"),
     (dict(loss_type="fipo_ref", packing=True), "--packing"),
+    (dict(deepspeed="zero2"), "--deepspeed"),
+    (dict(loss_type="fipo_ref", fsdp="full_shard auto_wrap"), "--fsdp"),
 ])
 def test_unsupported_swift_flags_are_refused_naming_the_flag(overrides, flag):
     with pytest.raises(ValueError) as info:

@@ -94,11 +94,18 @@ def _capture(self, **kwargs):
     return loss, metrics
 
 
+def _capture_path():
+    path = os.environ["SWIFT_TEST_CAPTURE"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (NPROC_PER_NODE): one file per rank
+        path = f"{path}.rank{os.environ['RANK']}"
+    return path
+
+
 def _train_and_dump(self, *args, **kwargs):
     out = _train(self, *args, **kwargs)
     state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-    torch.save({"records": list(_records), "state_dict": state, "log_history": list(self.state.log_history)},
-               os.environ["SWIFT_TEST_CAPTURE"])
+    torch.save({"records": list(_records), "state_dict": state, "log_history": list(self.state.log_history),
+                "num_processes": int(self.accelerator.num_processes)}, _capture_path())
     _records.clear()  # several runs may share one process (tests/integrations/swift/_swift_runs.py)
     return out
 
@@ -110,8 +117,9 @@ GRPOTrainer.train = _train_and_dump
 
 ROLLOUT_PLUGIN = '''
 """Test-only plugin: gives micro-batches vLLM-like rollout log-probs (ms-swift's old log-probs minus 0.05 on the
-valid tokens), on every micro-batch (SWIFT_TEST_ROLLOUT=all) or only on the generation batch's first one (=first),
-as ms-swift's collation leaves them None for a completion whose log-prob count does not match."""
+valid tokens), on every micro-batch (SWIFT_TEST_ROLLOUT=all), only on the generation batch's first one (=first),
+as ms-swift's collation leaves them None for a completion whose log-prob count does not match, or on every
+micro-batch of rank 0 only (=rank0; torchrun's RANK)."""
 import os
 
 from recipe.swift.trainer import GRPOTrainer
@@ -124,7 +132,7 @@ def _with_rollout(self, inputs):
     which = os.environ.get("SWIFT_TEST_ROLLOUT", "")
     for i, entry in enumerate(micro_batches):
         batch = entry["grpo_batch"]
-        if which == "all" or (which == "first" and i == 0):
+        if which == "all" or (which == "first" and i == 0) or (which == "rank0" and os.environ.get("RANK") == "0"):
             batch.rollout_per_token_logps = (batch.old_per_token_logps - 0.05 * batch.completion_mask).detach()
     return micro_batches
 

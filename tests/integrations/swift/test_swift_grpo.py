@@ -81,11 +81,11 @@ def base_env(ws: dict[str, Path], name: str) -> dict[str, str]:
 
 def swift_cli(ws: dict[str, Path], name: str, loss_type: str, per_device: int, accumulation: int,
               env: dict[str, str] | None = None, extra: list[str] | None = None, capture: bool = True,
-              check: bool = True) -> subprocess.CompletedProcess:
-    """The ``swift rlhf`` command itself, in a subprocess."""
+              check: bool = True, rollout: bool = False) -> subprocess.CompletedProcess:
+    """The ``swift rlhf`` command itself, in a subprocess (under torchrun when ``env`` sets NPROC_PER_NODE)."""
     (ws["root"] / name).mkdir(parents=True, exist_ok=True)
     cmd = [str(Path(sys.executable).parent / "swift"), "rlhf",
-           *swift_argv(ws, name, loss_type, per_device, accumulation, extra, capture)]
+           *swift_argv(ws, name, loss_type, per_device, accumulation, extra, capture, rollout)]
     run_env = dict(os.environ, PYTHONPATH=str(REPO), **base_env(ws, name), **(env or {}))
     proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=900)
     if check:
@@ -144,6 +144,23 @@ def one_call(loss_name: str, step: list[dict[str, Any]], config: dict[str, Any])
     return loss
 
 
+def literal_keep(step: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the literal Algorithm 1 keep mask, its trust-region mask) of a whole step, on its valid tokens, in the
+    order of :func:`flat` (tests/unit/m2po_reference.py on the step's rows)."""
+    rows = [(r, i) for r in step for i in range(r["response_mask"].shape[0])]
+    d = [((r["log_prob"][i] - r["old_log_prob"][i]).float()[r["response_mask"][i].bool()]).tolist() for r, i in rows]
+    adv = [r["advantages"][i][r["response_mask"][i].bool()].tolist() for r, i in rows]
+    width = max(len(x) for x in d)
+    pad = lambda xs: [x + [0.0] * (width - len(x)) for x in xs]  # noqa: E731
+    valid = [[1] * len(x) + [0] * (width - len(x)) for x in d]
+    literal = reference_m2po(pad(d), pad(adv), valid, TAU)
+
+    def on_valid(key: str) -> torch.Tensor:
+        return torch.tensor([k for row, v in zip(literal[key], valid) for k, ok in zip(row, v) if ok], dtype=torch.bool)
+
+    return on_valid("keep"), on_valid("in_t")
+
+
 TAU = 0.05  # set through the environment (the adapter's route for the threshold; its default is 0.04)
 
 
@@ -188,20 +205,9 @@ def test_m2po_loss_and_mask_are_the_registry_and_the_literal_algorithm_1(m2po_ru
             total = sum(r["loss"] for r in step)
             torch.testing.assert_close(total, one_call("m2po", step, {"m2_threshold": TAU}), rtol=1e-5, atol=1e-7)
             # the keep mask is Algorithm 1 over the whole step, literally
-            rows = [(r, i) for r in step for i in range(r["response_mask"].shape[0])]
-            d = [((r["log_prob"][i] - r["old_log_prob"][i]).float()[r["response_mask"][i].bool()]).tolist()
-                 for r, i in rows]
-            adv = [r["advantages"][i][r["response_mask"][i].bool()].tolist() for r, i in rows]
-            width = max(len(x) for x in d)
-            pad = lambda xs: [x + [0.0] * (width - len(x)) for x in xs]  # noqa: E731
-            valid = [[1] * len(x) + [0] * (width - len(x)) for x in d]
-            literal = reference_m2po(pad(d), pad(adv), valid, TAU)
-            expected = torch.tensor([k for row, v in zip(literal["keep"], valid) for k, ok in zip(row, v) if ok],
-                                    dtype=torch.bool)
+            expected, in_t = literal_keep(step)
             got = flat(step, "keep_mask").bool()
             assert torch.equal(got, expected)
-            in_t = torch.tensor([t for row, v in zip(literal["in_t"], valid) for t, ok in zip(row, v) if ok],
-                                dtype=torch.bool)
             masked_somewhere |= bool((~got).any())
             partly_masked |= bool((~got).any() and (got & in_t).any())
     assert masked_somewhere, "no token was ever masked: the test data does not exercise the selection"
@@ -344,3 +350,80 @@ def test_the_old_log_prob_fallback_is_used_for_whole_steps_and_logged_every_step
     assert len(logs) == STEPS and all(entry["fipo/behaviour_old_logps_fallback"] == 1.0 for entry in logs)
     first = steps(run["records"])[0]  # on-policy step: the old log-probs are the current ones on every micro-batch
     torch.testing.assert_close(flat(first, "log_prob"), flat(first, "old_log_prob"), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- two processes (torchrun)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_process_env(rollout: str) -> dict[str, str]:
+    """ms-swift's own launcher: NPROC_PER_NODE=2 makes ``swift rlhf`` run torchrun (gloo on CPU)."""
+    return {"STALERL_M2_THRESHOLD": str(TAU), "SWIFT_TEST_ROLLOUT": rollout, "NPROC_PER_NODE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+
+
+# --use_cpu true: on a machine without a GPU, accelerate (PartialState._prepare_backend) picks MULTI_CPU/gloo only
+# when told the run is on CPU; otherwise it sees no distributed backend, HF's parallel_mode is NOT_PARALLEL ("torch.
+# distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED") and each process trains
+# alone (no DDP, accelerator.num_processes 1). With it, ms-swift runs real DDP over 2 CPU processes.
+TWO_PROCESS_FLAGS = ["--use_cpu", "true"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(workspace) -> dict[str, Any]:
+    """m2po, 2 processes x (2 rows x 2 accumulation steps): rollout log-probs on every micro-batch of both ranks (the
+    exact run), and on rank 0's micro-batches only (must be refused by both ranks at the first step)."""
+    swift_cli(workspace, "dp2_rollout_all", "m2po", 2, 2, env=_two_process_env("all"), extra=TWO_PROCESS_FLAGS,
+              rollout=True)
+    part = swift_cli(workspace, "dp2_rollout_rank0", "m2po", 2, 2, env=_two_process_env("rank0"),
+                     extra=TWO_PROCESS_FLAGS, rollout=True, check=False)
+    ranks = [torch.load(workspace["root"] / "dp2_rollout_all" / f"capture.pt.rank{rank}", weights_only=False)
+             for rank in (0, 1)]
+    return {"ranks": ranks, "refused": part}
+
+
+def test_two_processes_select_and_count_over_both_ranks_with_one_behaviour_source(two_process_runs):
+    """Under ms-swift's DDP: every call divides by both ranks' step tokens, the ranks' losses / 2 add up to the
+    one-call loss of the whole step (both ranks' micro-batches), the keep mask is the literal Algorithm 1 mask of
+    that step, both ranks use the rollout log-probs (the step's one source), and the weights stay identical."""
+    ranks = two_process_runs["ranks"]
+    assert [r["num_processes"] for r in ranks] == [2, 2]
+    assert all(torch.equal(ranks[0]["state_dict"][k], ranks[1]["state_dict"][k]) for k in ranks[0]["state_dict"])
+    per_rank = [steps(r["records"]) for r in ranks]
+    assert [len(s) for s in per_rank] == [STEPS, STEPS]
+    masked = False
+    for index in range(STEPS):
+        step = per_rank[0][index] + per_rank[1][index]  # rank order, then micro-batch order
+        tokens = int(flat(step, "response_mask").numel())
+        assert all(r["config"]["global_batch_info"] == {"batch_num_tokens": tokens, "dp_size": 2} for r in step)
+        total = sum(r["loss"] for r in step) / 2
+        torch.testing.assert_close(total, one_call("m2po", step, {"m2_threshold": TAU}), rtol=1e-5, atol=1e-7)
+        expected, _ = literal_keep(step)
+        got = flat(step, "keep_mask").bool()
+        assert torch.equal(got, expected)
+        masked |= bool((~got).any())
+        if index % 2 == 0:  # a generation's first step is on-policy: the ratio is the injected rollout offset
+            torch.testing.assert_close(flat(step, "log_prob") - flat(step, "old_log_prob"),
+                                       torch.full_like(flat(step, "log_prob"), 0.05), rtol=0, atol=1e-4)
+    assert masked, "no token was masked: the run does not exercise the cross-rank selection"
+    logs = [entry for entry in ranks[0]["log_history"] if "m2po/num_valid_tokens" in entry]
+    assert [entry["m2po/num_valid_tokens"] for entry in logs] == [
+        int(flat(per_rank[0][i] + per_rank[1][i], "response_mask").numel()) for i in range(STEPS)]
+
+
+def test_rollout_log_probs_on_one_rank_only_are_refused_by_both_ranks(two_process_runs):
+    """Rank 0 has rollout log-probs for its whole share of the step, rank 1 none: decided per rank, rank 0 would use
+    vLLM's and rank 1 ms-swift's old log-probs in one selection. The flags are reduced over the ranks, so both stop
+    at the first step with the same line."""
+    proc = two_process_runs["refused"]
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: RuntimeError: --loss_type m2po: vLLM's rollout log-probs are missing for part of " \
+               "this optimizer step" in proc.stderr, proc.stderr[-3000:]

@@ -229,6 +229,26 @@ def test_colocated_vllm_samples_processed_logprobs_and_a_raw_server_is_refused(t
     assert "\n" not in str(err.value)
 
 
+def test_deepspeed_or_fsdp_is_refused_when_the_trainer_is_built(tmp_path: Path) -> None:
+    """DeepSpeed / FSDP come from accelerate's configuration (HF's Trainer knows them once it built its accelerator):
+    refused for m2po/fipo; a real trainer has both attributes, off on CPU, so a renamed attribute would fail here."""
+    require_trl()
+    from types import SimpleNamespace
+
+    from recipe.trl import GRPOConfig, GRPOTrainer
+
+    model, tok = tiny_model_and_tokenizer()
+    trainer = GRPOTrainer(model=model, reward_funcs=digit_reward, processing_class=tok, train_dataset=prompts_dataset(),
+                          args=GRPOConfig(**base_args(tmp_path, loss_type="m2po")))
+    assert trainer.is_deepspeed_enabled is False and trainer.is_fsdp_enabled is False
+    for deepspeed, fsdp, backend in ((True, False, "DeepSpeed"), (False, True, "FSDP")):
+        stub = SimpleNamespace(loss_type="fipo", is_deepspeed_enabled=deepspeed, is_fsdp_enabled=fsdp)
+        message = rf"^recipe\.trl: loss_type='fipo' under {backend} is not supported"
+        with pytest.raises(ValueError, match=message) as err:
+            GRPOTrainer._stalerl_check_backend(stub)
+        assert "\n" not in str(err.value)
+
+
 def test_untested_trl_version_is_refused_unless_overridden(tmp_path: Path, monkeypatch) -> None:
     require_trl()
     import recipe.versions as versions
@@ -285,20 +305,55 @@ def test_trls_own_config_is_refused_for_stalerl_losses(tmp_path: Path) -> None:
                     args=trl.GRPOConfig(**base_args(tmp_path, loss_type="m2po")))
 
 
-def test_beta_adds_trls_kl_term_with_the_step_denominator(tmp_path: Path) -> None:
-    """beta > 0: TRL loads a reference copy (from the saved local model) and the KL term is logged, off 0."""
+def test_beta_adds_trls_kl_term_with_the_step_denominator_and_stays_split_invariant(tmp_path: Path) -> None:
+    """beta > 0: TRL loads a reference copy (from the saved local model) and the KL term is logged, off 0; it uses the
+    step's token count like the policy term, so 8x1 and 2x4 give the same weights."""
     require_trl()
     from recipe.trl import GRPOConfig, GRPOTrainer
 
     model, tok = tiny_model_and_tokenizer()
     model.save_pretrained(tmp_path / "model")
-    args = GRPOConfig(**base_args(tmp_path, loss_type="m2po", beta=0.1, per_device_train_batch_size=4,
-                                  gradient_accumulation_steps=2))
-    trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=digit_reward, args=args,
-                          train_dataset=prompts_dataset(), processing_class=tok)
-    trainer.train()
-    kl = [row["kl"] for row in trainer.state.log_history if "kl" in row]
-    assert kl and kl[-1] > 0
+    finals = {}
+    for per_device, ga in ((8, 1), (2, 4)):
+        torch.manual_seed(0)
+        args = GRPOConfig(**base_args(tmp_path / f"{per_device}x{ga}", loss_type="m2po", beta=0.1,
+                                      m2_threshold=SPLIT_TAU, per_device_train_batch_size=per_device,
+                                      gradient_accumulation_steps=ga, **SGD))
+        trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=digit_reward, args=args,
+                              train_dataset=prompts_dataset(), processing_class=tok)
+        trainer.train()
+        kl = [row["kl"] for row in trainer.state.log_history if "kl" in row]
+        assert kl and kl[-1] > 0
+        finals[(per_device, ga)] = weights(trainer.model)
+    a, b = finals[(8, 1)], finals[(2, 4)]
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"beta=0.1 m2po 2x4: max |w - w(8x1)| = {worst:.2e}")
+    assert worst <= SPLIT_ATOL, f"with the KL term, 2x4 differs from 8x1 by {worst}"
+
+
+@pytest.mark.parametrize("loss_type", ["m2po", "fipo"])
+def test_on_policy_steps_use_a_zero_log_ratio_and_are_split_invariant(tmp_path: Path, loss_type: str) -> None:
+    """TRL's defaults, num_iterations=1 and steps_per_generation = gradient_accumulation_steps: TRL computes no old
+    log-probs, the behaviour policy is the current one (log-ratio 0), M2PO masks nothing, and 8x1 and 2x4 give the
+    same weights after the step."""
+    finals = {}
+    for per_device, ga in ((8, 1), (2, 4)):
+        trainer = _train(tmp_path / f"{per_device}x{ga}", _capturing_trainer(), loss_type=loss_type,
+                         m2_threshold=SPLIT_TAU, per_device_train_batch_size=per_device,
+                         gradient_accumulation_steps=ga, num_iterations=1, max_steps=1, **SGD)
+        assert len(trainer.calls) == ga
+        assert all(torch.equal(call["old_log_prob"], call["log_prob"]) for call in trainer.calls)
+        if loss_type == "m2po":
+            masked = [row["m2po/num_masked_tokens"] for row in trainer.state.log_history
+                      if "m2po/num_masked_tokens" in row]
+            assert masked == [0]
+        finals[(per_device, ga)] = weights(trainer.model)
+    a, b = finals[(8, 1)], finals[(2, 4)]
+    start = weights(tiny_model_and_tokenizer()[0])
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3, "the step must move the weights"
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"{loss_type} on-policy 2x4: max |w - w(8x1)| = {worst:.2e}")
+    assert worst <= SPLIT_ATOL, f"on-policy 2x4 differs from 8x1 by {worst}"
 
 
 @pytest.mark.parametrize("loss_type", ["m2po", "fipo"])
