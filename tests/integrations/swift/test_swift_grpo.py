@@ -175,6 +175,9 @@ def runs(workspace) -> dict[str, dict[str, Any]]:
         dict(name="fipo_ref", loss_type="fipo_ref", per_device=4, accumulation=2,
              env={"STALERL_FIPO_DECAY_RATE": "16"}),
         dict(name="grpo_builtin", loss_type="grpo", per_device=4, accumulation=2),
+        # one generation batch of 16 completions feeds two optimizer steps of 8 (then num_iterations 2 reuses it)
+        dict(name="m2po_spg4", loss_type="m2po", per_device=4, accumulation=2, env=m2po_env,
+             extra=["--steps_per_generation", "4"]),
         # behaviour source: rollout log-probs on every micro-batch; on part of a step (refused); the logged opt-in
         dict(name="rollout_all", loss_type="m2po", per_device=4, accumulation=2,
              env={**m2po_env, "SWIFT_TEST_ROLLOUT": "all"}),
@@ -184,7 +187,7 @@ def runs(workspace) -> dict[str, dict[str, Any]]:
              env={"SWIFT_TEST_ROLLOUT": "first", "STALERL_SWIFT_OLD_LOGPS_FALLBACK": "true"}),
     ])
     names = ("m2po_4x2", "m2po_8x1", "m2po_2x4", "fipo_ref", "grpo_builtin", "rollout_all",
-             "rollout_part_fallback")
+             "rollout_part_fallback", "m2po_spg4")
     return {name: load(workspace, name) for name in names}
 
 
@@ -273,6 +276,22 @@ def test_reference_fipo_loss_is_the_registry_and_its_metrics_are_logged(runs):
         assert entry["fipo/num_valid_tokens"] == int(flat(step, "response_mask").numel())
     assert any(entry["fipo/clip_fraction"] > 0 for entry in logs), "the reuse steps must clip somewhere"
     assert not any("behaviour_old_logps_fallback" in k for entry in run["log_history"] for k in entry)
+
+
+def test_steps_per_generation_twice_the_accumulation_divides_each_step_by_its_own_tokens(runs):
+    """--steps_per_generation 4 with 2 accumulation steps: ms-swift's num_items_in_batch counts the 16 completions of
+    the generation batch; each optimizer step here divides by its own 8 completions' tokens, its loss is the one-call
+    loss of that step, its mask Algorithm 1's, and the second step trains on stale data."""
+    all_steps = steps(runs["m2po_spg4"]["records"])
+    assert len(all_steps) == STEPS and all(len(step) == 2 for step in all_steps)
+    for index, step in enumerate(all_steps):
+        tokens = int(flat(step, "response_mask").numel())
+        assert all(r["config"]["global_batch_info"]["batch_num_tokens"] == tokens for r in step)
+        torch.testing.assert_close(sum(r["loss"] for r in step), one_call("m2po", step, {"m2_threshold": TAU}),
+                                   rtol=1e-5, atol=1e-7)
+        assert torch.equal(flat(step, "keep_mask").bool(), literal_keep(step)[0])
+        if index == 1:  # the generation batch's second step: the weights moved after the first
+            assert float((flat(step, "log_prob") - flat(step, "old_log_prob")).abs().max()) > 1e-4
 
 
 def test_swift_own_loss_types_are_untouched_with_the_plugin_loaded(runs):
