@@ -180,31 +180,17 @@ def add_fipo_micro_batch(metrics: StepMetrics, old_log_prob: torch.Tensor, log_p
     ``fipo/dual_clip_fraction`` (dual clip at c active) over the tokens that enter the loss (valid, not dropped),
     and the counts ``fipo/num_valid_tokens``, ``fipo/num_dropped_sequences``.
     """
-    from recipe.common import LOG_RATIO_CLAMP, masked_log_ratio, ppo_clip_surrogate
-    from recipe.fipo.algorithm import RAW_METRIC_LOG_CLAMP, fipo_params_from_config, fipo_weights
+    from recipe.common import masked_log_ratio
+    from recipe.fipo.algorithm import METRIC_DENOMINATORS, fipo_metric_parts, fipo_params_from_config
 
     params = fipo_params_from_config(config)
     valid = response_mask.bool()
     d = masked_log_ratio(old_log_prob.detach().float(), log_prob.detach().float(), valid)
-    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    fw = fipo_weights(d, adv, valid, params)
-    n_valid = float(valid.sum())
-    lower, upper = params.weight_bounds()
-    raw = torch.where(valid, torch.exp(fw.future_kl.clamp(max=RAW_METRIC_LOG_CLAMP)), torch.zeros_like(fw.weights))
-    ratio = torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    _, clipped, dual = ppo_clip_surrogate(ratio, adv * fw.weights, params.eps_low, params.eps_high,
-                                          params.clip_ratio_c)
-    kept = fw.loss_mask.bool()
-    n_kept = float(kept.sum())
-    metrics.add_ratio("fipo/influence_weights_mean_raw", float(raw.sum()), n_valid)
-    metrics.add_ratio("fipo/influence_weight_clip_ratio_upper", float((valid & (fw.weights >= upper)).sum()), n_valid)
-    metrics.add_ratio("fipo/influence_weight_clip_ratio_lower",
-                      float((valid & (fw.weights <= lower)).sum()) if lower is not None else 0.0, n_valid)
-    metrics.add_ratio("fipo/sequence_drop_ratio", float(fw.dropped_rows.sum()), float(fw.dropped_rows.numel()))
-    metrics.add_ratio("fipo/clip_fraction", float((clipped & kept).sum()), n_kept)
-    metrics.add_ratio("fipo/dual_clip_fraction", float((dual & kept).sum()), n_kept)
-    metrics.add_sum("fipo/num_valid_tokens", n_valid)
-    metrics.add_sum("fipo/num_dropped_sequences", float(fw.dropped_rows.sum()))
+    parts = fipo_metric_parts(d, advantages, valid, params)
+    for key, numerator in parts.numerators.items():
+        metrics.add_ratio(key, numerator, parts.denominators[METRIC_DENOMINATORS[key]])
+    metrics.add_sum("fipo/num_valid_tokens", parts.denominators["valid_tokens"])
+    metrics.add_sum("fipo/num_dropped_sequences", parts.numerators["fipo/sequence_drop_ratio"])
 
 
 #: The ``fipo/*`` names :func:`add_fipo_micro_batch` logs (documented per framework).

@@ -46,11 +46,13 @@ from areal.utils.stats_tracker import ReduceType
 
 from recipe.areal.packed import packed_policy_loss, needs_current_logprobs, select_mini_batch
 from recipe.areal.rules import check_areal_version, check_exact_loss_config
+from recipe.fipo.algorithm import METRIC_DENOMINATORS, fipo_row_selector
 
 # AReaL's prox_logp methods that fill ``prox_logp`` by a forward pass of the current weights (not an approximation).
 _RECOMPUTED_PROX = ("recompute", "metrics")
-#: FIPO's metrics that are fractions of the sequences (the others are fractions or means over valid tokens).
-FIPO_ROW_METRICS = ("fipo/sequence_drop_ratio",)
+#: AReaL's stats-tracker denominator for each kind of FIPO fraction (recipe.fipo.algorithm.METRIC_DENOMINATORS).
+_FIPO_TRACKER_DENOMINATORS = {"valid_tokens": "fipo/num_valid_tokens", "kept_tokens": "fipo/num_kept_tokens",
+                              "rows": "fipo/num_sequences"}
 
 
 class ExactPathNotTaken(RuntimeError):
@@ -70,19 +72,30 @@ class _UpdateProof:
     loss_calls: int = 0
 
 
-def _record_fipo_metrics(metrics: dict[str, float], mask: torch.Tensor, num_sequences: int) -> None:
-    """One micro-batch's FIPO fractions as per-token (per-row) constants over their denominators: AReaL's AVG
-    reduction then gives sum(fraction x denominator) / sum(denominator) over the step, i.e. the pooled fraction."""
-    rows = torch.ones(num_sequences, dtype=torch.bool, device=mask.device)
+def _record_fipo_metrics(metrics: dict[str, float], mask: torch.Tensor, kept: torch.Tensor, num_sequences: int) -> None:
+    """One micro-batch's FIPO fractions as per-token (per-row) constants over their denominators (valid tokens, kept
+    tokens, rows): AReaL's AVG reduction then gives sum(fraction x denominator) / sum(denominator) over the step,
+    i.e. the pooled fraction."""
+    over = {"valid_tokens": mask, "kept_tokens": kept,
+            "rows": torch.ones(num_sequences, dtype=torch.bool, device=mask.device)}
     with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
-        stats_tracker.denominator(**{"fipo/num_valid_tokens": mask, "fipo/num_sequences": rows})
+        stats_tracker.denominator(**{_FIPO_TRACKER_DENOMINATORS[k]: v for k, v in over.items()})
         for key, value in metrics.items():
             if not key.startswith("fipo/"):
                 continue
-            over, denominator = (rows, "fipo/num_sequences") if key in FIPO_ROW_METRICS else \
-                (mask, "fipo/num_valid_tokens")
-            stats_tracker.stat(**{key: torch.full(over.shape, float(value), device=mask.device)},
-                               denominator=denominator, reduce_type=ReduceType.AVG)
+            kind = METRIC_DENOMINATORS[key]
+            stats_tracker.stat(**{key: torch.full(over[kind].shape, float(value), device=mask.device)},
+                               denominator=_FIPO_TRACKER_DENOMINATORS[kind], reduce_type=ReduceType.AVG)
+
+
+def _fipo_kept_tokens(input_data: dict[str, Any], current: torch.Tensor, config: Any) -> torch.Tensor:
+    """The packed micro-batch's tokens that enter FIPO's loss: valid and not in a dropped row (the loss's own rule,
+    on the same behaviour and current log-probs)."""
+    mask = input_data["loss_mask"].bool()
+    keep = fipo_row_selector(input_data["logprobs"].detach(), current.detach(),
+                             input_data["advantages"].detach(), mask, config=config,
+                             cu_seqlens=input_data["cu_seqlens"])["row_keep_mask"]
+    return keep.reshape(mask.shape).bool() & mask
 
 
 def _record_m2po_metrics(selection: Any, mini_batch: dict[str, Any], current: torch.Tensor) -> None:
@@ -130,7 +143,8 @@ def exact_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dic
                            new_logp=new, old_logp=old, entropy=entropy.detach().float(),
                            denominator="n_valid_tokens")
         if loss_name == "fipo":
-            _record_fipo_metrics(metrics, mask, int(input_data["cu_seqlens"].numel()) - 1)
+            kept_tokens = _fipo_kept_tokens(input_data, new, config)
+            _record_fipo_metrics(metrics, mask, kept_tokens, int(input_data["cu_seqlens"].numel()) - 1)
         elif log_loss_metrics:
             stats_tracker.scalar(**metrics)
     return loss

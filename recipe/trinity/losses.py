@@ -46,7 +46,7 @@ import torch
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 
 from recipe.common import masked_log_ratio
-from recipe.fipo.algorithm import fipo_params_from_config, fipo_weights
+from recipe.fipo.algorithm import METRIC_DENOMINATORS, METRIC_KEYS, fipo_metric_parts, fipo_params_from_config
 from recipe.m2po.algorithm import m2_scope_from_config, m2_threshold_from_config
 from recipe.optimizer_batch import with_global_batch_info
 from recipe.registry import get_policy_loss_fn
@@ -366,10 +366,9 @@ class M2POPolicyLossFn(_RecipeLoss, PolicyLossFn):
         return {"m2_threshold": 0.04, "m2_scope": "auto", "loss_agg_mode": "token-mean"}
 
 
-#: FIPO's metrics and what each is a fraction of (pooled over the step: summed numerators / summed denominators).
-FIPO_TOKEN_FRACTIONS = ("fipo/influence_weights_mean_raw", "fipo/influence_weight_clip_ratio_upper",
-                        "fipo/influence_weight_clip_ratio_lower")
-FIPO_ROW_FRACTIONS = ("fipo/sequence_drop_ratio",)
+#: The order of the denominators in FIPO's all-reduced counts (each fipo/* fraction is pooled over the step as summed
+#: numerators / summed denominators, recipe.fipo.algorithm.METRIC_DENOMINATORS).
+FIPO_DENOMINATORS = ("valid_tokens", "kept_tokens", "rows")
 
 
 class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
@@ -432,19 +431,14 @@ class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
     def _counts(self, logprob, old_logprob, valid, advantages) -> List[float]:
         """This micro-batch's [valid tokens, kept tokens (after the drop), rows, FIPO numerators...]."""
         d = masked_log_ratio(old_logprob, logprob.detach(), valid)  # the registry's FIPO sees the same d
-        weights = fipo_weights(d, advantages, valid, self.params)
-        n_valid = float(valid.sum())
-        rows = float(valid.shape[0])
-        numerators = [weights.metrics[k] * n_valid for k in FIPO_TOKEN_FRACTIONS]
-        numerators += [weights.metrics[k] * rows for k in FIPO_ROW_FRACTIONS]
-        return [n_valid, float(weights.loss_mask.sum()), rows, *numerators]
+        parts = fipo_metric_parts(d, advantages, valid, self.params)
+        return [parts.denominators[k] for k in FIPO_DENOMINATORS] + [parts.numerators[k] for k in METRIC_KEYS]
 
     @staticmethod
     def _pooled(totals: List[float]) -> Dict[str, float]:
-        n_valid, _, rows, *numerators = totals
-        names = FIPO_TOKEN_FRACTIONS + FIPO_ROW_FRACTIONS
-        denominators = [n_valid] * len(FIPO_TOKEN_FRACTIONS) + [rows] * len(FIPO_ROW_FRACTIONS)
-        return {k: num / max(den, 1.0) for k, num, den in zip(names, numerators, denominators)}
+        denominators = dict(zip(FIPO_DENOMINATORS, totals[:len(FIPO_DENOMINATORS)]))
+        numerators = dict(zip(METRIC_KEYS, totals[len(FIPO_DENOMINATORS):]))
+        return {k: num / max(denominators[METRIC_DENOMINATORS[k]], 1.0) for k, num in numerators.items()}
 
     def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
         self._check_world(dp_size, "FIPO's step-wide token count")

@@ -328,6 +328,23 @@ class Actor:
             if selection is not None:
                 selection_metrics = selection.metrics()
             extra_full = selected
+        elif self.spec.row_selector is not None and len(micro) == 1 and self.dp.size == 1:
+            # FIPO drops whole rows, and a dropped row leaves the numerator and the denominator of the step: one loss
+            # call over the whole step counts its kept tokens and rows itself (the all-valid counts would keep the
+            # dropped rows in the denominator).
+            del cfg["global_batch_info"]["batch_num_tokens"], cfg["global_batch_info"]["global_batch_size"]
+        elif self.spec.row_selector is not None:
+            # Split: the drops are decided on the whole mini-batch first (rows never span micro-batches, so this
+            # decides what each micro-batch would) and batch_num_tokens counts the kept tokens of all ranks.
+            current = self.compute_logp(mini)
+            keep = self.spec.row_selector(mini.behavior_logp, current, adv, mini.response_mask,
+                                          config=cfg)["row_keep_mask"].bool() & mini.response_mask
+            kept = self._all_reduce_sum(torch.tensor([float(keep.sum()), float(keep.any(dim=-1).sum())],
+                                                     dtype=torch.float64))
+            # token-mean divides by the kept tokens, the seq-mean modes by the kept rows (the loss's own counts)
+            cfg["global_batch_info"]["batch_num_tokens"] = int(kept[0])
+            cfg["global_batch_info"]["global_batch_size"] = int(kept[1])
+            extra_full = {"row_keep_mask": keep}
 
         loss_sum = 0.0
         metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch

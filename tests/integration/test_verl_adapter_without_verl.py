@@ -33,7 +33,8 @@ def test_recipe_works_without_verl_and_adapter_names_the_extra():
     """)
     assert out.returncode == 0, out.stderr
     assert 'IMPORT-ERROR:' in out.stdout
-    assert 'pip install "stalerl[verl]"' in out.stdout
+    # the hint names both ways to get the extra: a checkout and a built wheel (the package is on no index)
+    assert 'pip install -e ".[verl]"' in out.stdout and '.whl[verl]' in out.stdout
 
 
 def test_console_script_module_fails_with_the_install_hint():
@@ -42,4 +43,4 @@ def test_console_script_module_fails_with_the_install_hint():
         raise SystemExit(main([]))
     """)
     assert out.returncode != 0
-    assert 'pip install "stalerl[verl]"' in out.stderr
+    assert 'pip install -e ".[verl]"' in out.stderr and '.whl[verl]' in out.stderr

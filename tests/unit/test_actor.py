@@ -63,6 +63,40 @@ def test_micro_batch_split_does_not_change_the_update(tiny_policy, loss):
             m_split["actor/fipo/influence_weight_clip_ratio_upper"], rel=1e-6)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("tokens_per_mb", [100000, 40])
+def test_fipo_update_with_dropped_rows_is_the_reference_on_the_mini_batch(tiny_policy, tokens_per_mb, agg):
+    """FIPO drops whole rows and a dropped row leaves the step's numerator and denominator: the actor's update, in one
+    loss call or split into micro-batches, is the gradient of the registry's FIPO called alone on the whole mini-batch
+    (which counts its own kept tokens, or kept rows for the seq-mean modes). The all-valid counts would scale it by
+    valid / kept."""
+    from recipe.fipo.algorithm import compute_policy_loss_fipo
+    from stalerl.training.actor import loss_config
+
+    model, tok = tiny_policy
+    batch, adv = _stale_batch(model, tok)
+    overrides = {"loss": "fipo", "optimizer.type": "sgd", "optimizer.lr": 1.0, "optimizer.gradient_clipping": 1e9,
+                 "fipo_clip_ratio_c": 1.5, "mb_spec.max_tokens_per_mb": tokens_per_mb, "loss_agg_mode": agg}
+    after, metrics = _updated_params(model, batch, adv, **overrides)
+    assert metrics["actor/fipo/sequence_drop_ratio"] > 0, "the batch must make FIPO drop a row"
+    assert (metrics["actor/num_micro_batches"] > 3) == (tokens_per_mb == 40)
+
+    cfg = load_config([f"actor.{k}={v}" for k, v in overrides.items()])
+    reference = copy.deepcopy(model)
+    actor = Actor(reference, cfg.actor, temperature=1.0, total_updates=1)
+    lp = actor._forward_logp(batch)  # the actor's own training forward, with grad, the whole batch at once
+    width = lp.shape[1]
+    loss, ref_metrics = compute_policy_loss_fipo(
+        old_log_prob=batch.behavior_logp[:, :width], log_prob=lp, advantages=adv[:, :width],
+        response_mask=batch.response_mask[:, :width], loss_agg_mode=agg, config=loss_config(cfg.actor))
+    loss.backward()
+    expected = [p.detach() - p.grad for p in reference.parameters()]
+    for a, b in zip(after, expected):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert metrics["actor/loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
+    assert metrics["actor/fipo/sequence_drop_ratio"] == pytest.approx(ref_metrics["fipo/sequence_drop_ratio"])
+
+
 def test_ppo_minibatches_take_several_optimizer_steps(tiny_policy):
     model, tok = tiny_policy
     batch, adv = _stale_batch(model, tok)

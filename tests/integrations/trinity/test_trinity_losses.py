@@ -395,7 +395,7 @@ def test_two_data_parallel_ranks_reproduce_the_whole_mini_batch(tmp_path) -> Non
                                    rtol=1e-6, atol=1e-8)
         # the step's metrics, identical on both ranks (so any mean over ranks logs them)
         for key, value in metrics.items():
-            assert [s["metrics"][f"actor/{key}"] for s in seen] == pytest.approx([value, value], rel=1e-6, abs=1e-9)
+            assert [s["metrics"][f"actor/{key}"] for s in seen] == pytest.approx([value, value], rel=1e-6, abs=1e-9), key
         if name == "m2po":
             literal, n_masked = C.literal_m2po_loss(rows, rows["table"], n_valid)
             assert float(whole.detach()) == pytest.approx(literal, rel=1e-5)
