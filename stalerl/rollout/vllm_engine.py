@@ -6,8 +6,8 @@ top-p applied, i.e. the distribution the token was drawn from), and every token 
 weights vLLM actually held while generating it (weights only change between two ``generate`` calls).
 
 Weights: the policy is written once as a Hugging Face directory (``config.json``, safetensors in the engine's dtype,
-the fast tokenizer) that vLLM starts from; every later update is loaded in place, by one of two paths chosen when the
-engine starts (:func:`choose_weight_sync`, named in the log):
+the fast tokenizer) that vLLM starts from; every later update is loaded in place, by one of three paths chosen when
+the engine starts (:func:`choose_weight_sync`, named in the log):
 
 - ``ipc`` (CUDA, the synchronous loop: vLLM shares the trainer's GPU): vLLM's public weight-transfer API
   (``WeightTransferConfig(backend="ipc")``, ``init_weight_transfer_engine`` / ``start_weight_update`` /
@@ -16,11 +16,15 @@ engine starts (:func:`choose_weight_sync`, named in the log):
   by vLLM's worker straight into its own parameters on the same GPU: no host copy. CUDA IPC handles cannot be opened
   in the process that exported them, so on this path vLLM's engine core runs in its own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=1``; the trainer is a main process, so it may start one).
-- ``reload`` (the CPU build, whose worker has no weight-transfer engine; and asynchronous rollout workers on CUDA,
-  see :func:`choose_weight_sync`): the model runner's ``reload_weights`` through ``collective_rpc`` with a local
-  function (in-process engine), which maps HF names onto vLLM's fused layers.
+- ``nccl`` (CUDA, asynchronous runs: a rollout worker's engine on its own GPU): the same public API with
+  ``WeightTransferConfig(backend="nccl")``; the controller (train rank 0) broadcasts each version from its GPU
+  (stalerl.rollout.vllm_nccl: :meth:`VLLMRolloutEngine.init_weight_transfer` once, :meth:`receive_weights` per
+  version). No host copy of the weights.
+- ``reload`` (the CPU build, whose worker has no weight-transfer engine; and CUDA rollout workers that need the host
+  copy anyway, actor.behavior_logp=recompute, see :func:`choose_weight_sync`): the model runner's ``reload_weights``
+  through ``collective_rpc`` with a local function (in-process engine), which maps HF names onto vLLM's fused layers.
 
-Both end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
+All end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
 (``vllm/model_executor/model_loader/reload/layerwise.py``: ``_copy_and_restore_kernel_tensors``, "preserves cudagraph
 references"), so CUDA graphs captured at start keep reading the current weights: that is what makes
 ``enforce_eager=false`` (the CUDA default) safe with in-place weight sync. The prefix cache is reset after every
@@ -129,25 +133,40 @@ def resolve_max_model_len(option: Optional[int], planned_len: Optional[int]) -> 
     return option if option is not None else planned_len
 
 
-WEIGHT_SYNC_PATHS = ("ipc", "reload")
+WEIGHT_SYNC_PATHS = ("ipc", "nccl", "reload")
 
 
-def choose_weight_sync(*, cpu_build: bool, colocated: bool) -> tuple[str, str]:
+def choose_weight_sync(*, cpu_build: bool, colocated: bool, needs_host_copy: bool = False) -> tuple[str, str]:
     """The weight-sync path for an engine, and why, decided once at start (both are named in the log).
 
     - CPU build: ``reload`` (the internal ``reload_weights``): the public API's IPC and NCCL backends need CUDA.
     - CUDA, colocated with the trainer (the synchronous loop): ``ipc``, the public API, no host copy.
-    - CUDA, a rollout worker on its own GPU (asynchronous runs): ``reload`` from the host copy the controller shares
-      with every worker. The public NCCL backend would broadcast GPU to GPU, but its transfer is a collective that
-      the trainer would have to join while the worker is between two generations; stalerl does not drive it yet
-      (docs/vllm.md), so this path is said in the log, not chosen silently.
+    - CUDA, a rollout worker on its own GPU (asynchronous runs): ``nccl``, the public API's NCCL backend, broadcast
+      from the controller's GPU (stalerl.rollout.vllm_nccl); no host copy.
+    - ... unless the worker needs the weights on its host anyway (``needs_host_copy``: actor.behavior_logp=recompute,
+      whose HF forward runs on the worker's own copy of the model): then ``reload`` from the controller's host copy,
+      which that forward needs too.
     """
     if cpu_build:
         return "reload", "CPU build: vLLM's weight-transfer engines (ipc, nccl) need CUDA"
     if colocated:
         return "ipc", "CUDA, colocated with the trainer: public weight-transfer API, backend=ipc (no host copy)"
-    return "reload", ("CUDA rollout worker on its own GPU: internal reload_weights from the controller's host copy "
-                      "(the public nccl backend is not driven by stalerl yet)")
+    if needs_host_copy:
+        return "reload", ("CUDA rollout worker with actor.behavior_logp=recompute: its HF forward needs the host copy "
+                          "of the weights, which the internal reload_weights installs in vLLM too")
+    return "nccl", ("CUDA rollout worker on its own GPU: public weight-transfer API, backend=nccl, broadcast from the "
+                    "trainer's GPU (no host copy)")
+
+
+def worker_needs_host_copy(cfg: Any) -> bool:
+    """A rollout worker's HF model computes behaviour log-probs at the generating weights (recompute)."""
+    return cfg.actor.behavior_logp == "recompute"
+
+
+def rollout_worker_weight_sync(cfg: Any) -> tuple[str, str]:
+    """The path every vLLM rollout worker of ``cfg`` chooses at its start (the controller asks the same question to
+    set up its side before any weights are sent; same machine, same vLLM build, same answer)."""
+    return choose_weight_sync(cpu_build=is_cpu_build(), colocated=False, needs_host_copy=worker_needs_host_copy(cfg))
 
 
 def engine_save_dtype(dtype: str) -> Optional[torch.dtype]:
@@ -256,7 +275,8 @@ class VLLMRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
                  *, options: Any, work_dir: Path, seed: int, max_num_seqs: int, version: int = -1,
-                 track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None):
+                 track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None,
+                 needs_host_copy: bool = False):
         self.vllm = import_vllm()
         self.tokenizer = tokenizer
         self.format_prompt = format_prompt
@@ -269,6 +289,7 @@ class VLLMRolloutEngine:
         self.max_seq_len = max_seq_len  # longest prompt + completion in flight: sizes the GPU memory default
         self.source_model = model
         self.track_source = track_source
+        self.needs_host_copy = needs_host_copy  # choose_weight_sync: a recompute worker keeps the host path
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None or self.eos_id is None:
@@ -292,7 +313,8 @@ class VLLMRolloutEngine:
         o = self.options
         cpu = is_cpu_build()
         dtype = resolve_dtype(o.dtype, self.actor_dtype, cpu)
-        self.weight_sync, why = choose_weight_sync(cpu_build=cpu, colocated=self.track_source)
+        self.weight_sync, why = choose_weight_sync(cpu_build=cpu, colocated=self.track_source,
+                                                   needs_host_copy=self.needs_host_copy)
         print(f"vLLM weight sync: {self.weight_sync} ({why})", flush=True)
         model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model", engine_save_dtype(dtype))
         utilization = o.gpu_memory_utilization
@@ -308,10 +330,11 @@ class VLLMRolloutEngine:
         max_model_len = resolve_max_model_len(o.max_model_len, self.max_seq_len)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
-        if self.weight_sync == "ipc":
+        if self.weight_sync in ("ipc", "nccl"):
             from vllm.config import WeightTransferConfig
 
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_sync)
+        if self.weight_sync == "ipc":
             # CUDA IPC handles open only in another process: the engine core gets its own (see module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         kv_gb = o.kv_cache_memory_gb
@@ -375,8 +398,31 @@ class VLLMRolloutEngine:
         self._install(state_dict)
         self.version = int(version)
 
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """nccl: join the trainer's weight-transfer group (stalerl.rollout.vllm_nccl.worker_init_info); blocks
+        until the trainer's rank has joined too."""
+        if self.weight_sync != "nccl":
+            raise RuntimeError(f"init_weight_transfer on an engine whose weight sync is {self.weight_sync!r}")
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+    def receive_weights(self, update_info: dict[str, Any], version: int) -> None:
+        """nccl: receive one complete weight set broadcast by the trainer (update_info: what it sends, in order),
+        then its version, as load_weights does."""
+        if self.weight_sync != "nccl":
+            raise RuntimeError(f"receive_weights on an engine whose weight sync is {self.weight_sync!r}")
+        start = time.perf_counter()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": dict(update_info)})
+        self.llm.finish_weight_update(str(int(version)))
+        self.llm.reset_prefix_cache()  # as in _install: no KV from the old weights
+        self.last_sync_seconds = time.perf_counter() - start
+        self.sync_seconds_total += self.last_sync_seconds
+        self.version = int(version)
+
     def _install(self, state_dict: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
+        if self.weight_sync == "nccl":
+            raise RuntimeError("this engine receives its weights over NCCL (receive_weights), not as a state dict")
         if self.weight_sync == "ipc":
             # The sender's source is the trainer's module itself (its parameters, on the GPU they live on); the
             # state dict passed here is that module's, so nothing is copied to build it.
@@ -489,4 +535,5 @@ def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt
     model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 15
     return VLLMRolloutEngine(model, tokenizer, format_prompt, reward_fn, options=cfg.rollout.vllm, work_dir=work_dir,
                              seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source,
-                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len))
+                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len),
+                             needs_host_copy=not track_source and worker_needs_host_copy(cfg))

@@ -130,6 +130,7 @@ class AsyncTrainer(Trainer):
         self.eval_sent: dict[int, tuple[str, float]] = {}  # version -> (worker role, time sent)
         self.eval_done: dict[int, dict[str, Any]] = {}
         self._probe_actor = None  # fsdp:dY: an unsharded actor on rank 0's copy for the mismatch probe
+        self.nccl_senders: dict[str, Any] = {}  # rollout role -> NCCLWeightSender (vLLM workers, weight sync nccl)
 
     def _rollout_in_workers(self) -> bool:
         return True  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
@@ -157,6 +158,30 @@ class AsyncTrainer(Trainer):
             self.rollout_workers.append(w)
             self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
+        self._connect_nccl_senders()
+
+    def _connect_nccl_senders(self) -> None:
+        """vLLM rollout workers on their own GPUs take the nccl path (rollout_worker_weight_sync, the same choice
+        their engines made at start): each joins a group with this process as rank 0, which then broadcasts every
+        version from its GPU (stalerl.rollout.vllm_nccl) instead of sharing a host copy."""
+        if self.cfg.rollout.backend.split(":", 1)[0] != "vllm":
+            return
+        from stalerl.rollout.vllm_engine import rollout_worker_weight_sync
+
+        path, why = rollout_worker_weight_sync(self.cfg)
+        self.log(f"vLLM weight sync: {path} ({why})")
+        if path != "nccl":
+            return
+        from stalerl.rollout.vllm_nccl import NCCLWeightSender, worker_init_info
+
+        device = next(self.model.parameters()).device
+        for w in self.rollout_workers:
+            info = worker_init_info(self.hosting.host_address(), free_port(),
+                                    self.cfg.rollout.vllm.tensor_parallel_size or 1)
+            sender = NCCLWeightSender(info, device)
+            w.call("init_weight_transfer", info)  # the worker joins while this process joins as rank 0
+            sender.connect()
+            self.nccl_senders[w.role] = sender
 
     def _local_gpu_plan(self, res) -> dict[str, int]:
         """Local scheduler on CUDA: rank 0 (this process) keeps GPU 0, train ranks 1..Y-1 and the X rollout workers
@@ -174,6 +199,8 @@ class AsyncTrainer(Trainer):
         self.stop_event.set()
         if self.dispatcher is not None:
             self.dispatcher.join(5)
+        for sender in self.nccl_senders.values():
+            sender.close(timeout=1.0)
         for w in self.rollout_workers + self.train_workers:
             w.stop(timeout=1.0 if self.interrupted else 10.0)  # interrupted: in-flight rollouts are redone on resume
         if torch.distributed.is_initialized():
@@ -311,6 +338,8 @@ class AsyncTrainer(Trainer):
                     for _, state in out["results"]:  # reward/generated: at generation end, not consumption
                         self.counters["gen_reward_sum"] += float(state["rewards"].sum())
                         self.counters["gen_reward_n"] += len(state["rewards"])
+                elif isinstance(out, dict) and "weight_transfer" in out:  # joined the nccl group: nothing to do
+                    pass
                 elif isinstance(out, dict) and "eval" in out:  # an evaluation (see evaluate)
                     self.eval_done[out["eval"]["version"]] = out["eval"]
                 else:  # a weight load
@@ -329,7 +358,15 @@ class AsyncTrainer(Trainer):
         so a busy worker never accumulates a backlog of weight sets, file handles or files."""
         start = time.perf_counter()
         version = self.step
-        if self.cfg.rollout.weight_sync == "shared_memory":
+        if self.nccl_senders:  # a snapshot on this GPU, broadcast to each worker when it is sent (no host copy)
+            from stalerl.rollout.vllm_engine import engine_save_dtype, resolve_dtype
+            from stalerl.rollout.vllm_nccl import snapshot_parameters, update_info_for
+
+            # in the engine's dtype (what its start-up checkpoint holds): a bf16 engine gets half the bytes
+            engine_dtype = resolve_dtype(self.cfg.rollout.vllm.dtype, self.cfg.actor.dtype, cpu_build=False)
+            params = snapshot_parameters(self.model, engine_save_dtype(engine_dtype))
+            self.latest_weights = (version, "receive_weights", (update_info_for(params), params))
+        elif self.cfg.rollout.weight_sync == "shared_memory":
             self.latest_weights = (version, "load_weights", self.hosting.share(self.model.state_dict()))
         else:
             path = self.run_dir / "weights" / f"v{version}.pt"
@@ -342,7 +379,12 @@ class AsyncTrainer(Trainer):
     def _send_latest_weights(self, worker) -> None:
         version, method, payload = self.latest_weights
         if self.sent_version.get(worker.role, -1) < version:
-            worker.call(method, version, payload)
+            if method == "receive_weights":  # nccl: the receive command first (ordered before any later task)
+                update_info, params = payload
+                worker.call(method, version, update_info)
+                self.nccl_senders[worker.role].submit(version, params)
+            else:
+                worker.call(method, version, payload)
             self.sent_version[worker.role] = version
 
     def _delete_unneeded_weight_files(self) -> None:

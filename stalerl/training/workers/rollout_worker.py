@@ -83,6 +83,18 @@ class RolloutWorker:
         self._install(torch.load(path, map_location="cpu", weights_only=True), version)
         return {"version": version, "seconds": time.perf_counter() - start}
 
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """vLLM with weight sync nccl: join the controller's weight-transfer group (it joins as rank 0 meanwhile)."""
+        self.engine.init_weight_transfer(init_info)
+        return {"weight_transfer": "nccl"}
+
+    def receive_weights(self, version: int, update_info: dict[str, Any]) -> dict[str, float]:
+        """vLLM with weight sync nccl: receive the version the controller broadcasts (queued like load_weights,
+        so it is served between two generations and before the tasks admitted after it)."""
+        start = time.perf_counter()
+        self.engine.receive_weights(update_info, version)
+        return {"version": version, "seconds": time.perf_counter() - start}
+
     def _install(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         if self.is_vllm and self.recompute is not None:
             self.model.load_state_dict(state_dict)  # the recompute forward needs the generating weights too
