@@ -24,7 +24,7 @@
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh    # CPU dry mode: tiny sizes, same script and code paths
 # Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here),
 #      STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
-#      STALERL_CHECK_BENCH_TIMEOUT_S (240 s for the measurements; 900 in CPU dry mode), STALERL_CHECK_VLLM=0 (skip
+#      STALERL_CHECK_BENCH_TIMEOUT_S (300 s for the measurements; 900 in CPU dry mode), STALERL_CHECK_VLLM=0 (skip
 #      the vLLM measurements),
 #      STALERL_SMOKE_DIR (work dir; default a new temp dir), STALERL_CHECK_REPORT (also copy the JSON report there),
 #      STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1 (install the wheels even if omegaconf imports),
@@ -40,7 +40,7 @@ WHEELS="${STALERL_CHECK_WHEELS:-$REPO/.whl}"
 # The limit keeps a GPU slot's budget for step 3; the CPU dry mode has no such budget (a loaded CI runner is slow).
 LIMIT="${STALERL_CHECK_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 3600 || echo 300)}"
 # The measurements' limit: without vLLM in the image they take well under a minute; with it, two engine starts
-BENCH_LIMIT="${STALERL_CHECK_BENCH_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 900 || echo 240)}"
+BENCH_LIMIT="${STALERL_CHECK_BENCH_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 900 || echo 300)}"
 export STALERL_SMOKE_DIR="$WORK" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"

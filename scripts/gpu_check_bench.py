@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEAD_SHAPE = {"cuda": dict(hidden=1536, vocab=151_936, tokens=16_384),  # one 16k-token micro-batch
               "cpu": dict(hidden=64, vocab=151_936, tokens=64)}
 GEN = {"cuda": dict(prompts=64, n=1, max_new_tokens=128), "cpu": dict(prompts=2, n=1, max_new_tokens=4)}
-CHILD_TIMEOUT_S = 110  # one engine: start (CUDA graph capture included), two generations, two syncs
+CHILD_TIMEOUT_S = 100  # one engine: start (CUDA graph capture included), two generations, two syncs
 
 
 def _recv(conn, what: str, timeout_s: float = CHILD_TIMEOUT_S):

@@ -165,8 +165,10 @@ def worker_needs_host_copy(cfg: Any) -> bool:
 
 def rollout_worker_weight_sync(cfg: Any) -> tuple[str, str]:
     """The path every vLLM rollout worker of ``cfg`` chooses at its start (the controller asks the same question to
-    set up its side before any weights are sent; same machine, same vLLM build, same answer)."""
-    return choose_weight_sync(cpu_build=is_cpu_build(), colocated=False, needs_host_copy=worker_needs_host_copy(cfg))
+    set up its side before any weights are sent; same machine, same vLLM build, same answer). Without a CUDA device
+    only the CPU build can run, so vLLM is not imported into the controller there."""
+    cpu_build = not torch.cuda.is_available() or is_cpu_build()
+    return choose_weight_sync(cpu_build=cpu_build, colocated=False, needs_host_copy=worker_needs_host_copy(cfg))
 
 
 def engine_save_dtype(dtype: str) -> Optional[torch.dtype]:

@@ -85,7 +85,10 @@ class NCCLWeightSender:
     def __init__(self, init_info: dict[str, Any], device: torch.device,
                  make_group: Callable[..., Any] = _vllm_group, on_error: Optional[Callable[[BaseException], None]] = None):
         self.init_info = init_info
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the communicator and the stream need the index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.make_group = make_group
         self.on_error = on_error
         self.group = None

@@ -176,9 +176,14 @@ def test_rollout_workers_path_follows_the_config_and_the_build(monkeypatch, beha
     import stalerl.rollout.vllm_engine as ve
 
     monkeypatch.setattr(ve, "is_cpu_build", lambda: cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1",
                        f"actor.behavior_logp={behavior_logp}"])
     assert ve.rollout_worker_weight_sync(cfg)[0] == expected
+    # no CUDA device: the CPU build's answer, without importing vLLM into the controller
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ve, "is_cpu_build", lambda: pytest.fail("vLLM imported without a GPU"))
+    assert ve.rollout_worker_weight_sync(cfg)[0] == "reload"
 
 
 def test_startup_checkpoint_is_written_in_the_engine_dtype(tmp_path):
