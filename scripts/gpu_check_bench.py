@@ -130,14 +130,14 @@ def _policy(model_dir: Path, device: str):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def _engine(model, tok, work: Path, options, *, track_source: bool, needs_host_copy: bool = False):
+def _engine(model, tok, work: Path, options, *, track_source: bool):
     from stalerl.core.model import PromptFormatter
     from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.vllm_engine import VLLMRolloutEngine
 
     return VLLMRolloutEngine(model, tok, PromptFormatter(tok).format, gsm8k_reward, options=options, work_dir=work,
                              seed=0, max_num_seqs=64, track_source=track_source, actor_dtype="bfloat16",
-                             max_seq_len=512, needs_host_copy=needs_host_copy)
+                             max_seq_len=512)
 
 
 def _generate_rate(engine, device: str) -> tuple[float, int]:

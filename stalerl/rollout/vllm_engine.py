@@ -20,8 +20,7 @@ the engine starts (:func:`choose_weight_sync`, named in the log):
   ``WeightTransferConfig(backend="nccl")``; the controller (train rank 0) broadcasts each version from its GPU
   (stalerl.rollout.vllm_nccl: :meth:`VLLMRolloutEngine.init_weight_transfer` once, :meth:`receive_weights` per
   version). No host copy of the weights.
-- ``reload`` (the CPU build, whose worker has no weight-transfer engine; and CUDA rollout workers that need the host
-  copy anyway, actor.behavior_logp=recompute, see :func:`choose_weight_sync`): the model runner's ``reload_weights``
+- ``reload`` (only the CPU build, whose worker has no weight-transfer engine): the model runner's ``reload_weights``
   through ``collective_rpc`` with a local function (in-process engine), which maps HF names onto vLLM's fused layers.
 
 All end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
@@ -136,39 +135,35 @@ def resolve_max_model_len(option: Optional[int], planned_len: Optional[int]) -> 
 WEIGHT_SYNC_PATHS = ("ipc", "nccl", "reload")
 
 
-def choose_weight_sync(*, cpu_build: bool, colocated: bool, needs_host_copy: bool = False) -> tuple[str, str]:
+def choose_weight_sync(*, cpu_build: bool, colocated: bool) -> tuple[str, str]:
     """The weight-sync path for an engine, and why, decided once at start (both are named in the log).
 
     - CPU build: ``reload`` (the internal ``reload_weights``): the public API's IPC and NCCL backends need CUDA.
     - CUDA, colocated with the trainer (the synchronous loop): ``ipc``, the public API, no host copy.
     - CUDA, a rollout worker on its own GPU (asynchronous runs): ``nccl``, the public API's NCCL backend, broadcast
-      from the controller's GPU (stalerl.rollout.vllm_nccl); no host copy.
-    - ... unless the worker needs the weights on its host anyway (``needs_host_copy``: actor.behavior_logp=recompute,
-      whose HF forward runs on the worker's own copy of the model): then ``reload`` from the controller's host copy,
-      which that forward needs too.
+      from the controller's GPU (stalerl.rollout.vllm_nccl); no host copy for vLLM (a worker with
+      actor.behavior_logp=recompute also gets the host copy, for its own HF forward only).
     """
     if cpu_build:
         return "reload", "CPU build: vLLM's weight-transfer engines (ipc, nccl) need CUDA"
     if colocated:
         return "ipc", "CUDA, colocated with the trainer: public weight-transfer API, backend=ipc (no host copy)"
-    if needs_host_copy:
-        return "reload", ("CUDA rollout worker with actor.behavior_logp=recompute: its HF forward needs the host copy "
-                          "of the weights, which the internal reload_weights installs in vLLM too")
     return "nccl", ("CUDA rollout worker on its own GPU: public weight-transfer API, backend=nccl, broadcast from the "
                     "trainer's GPU (no host copy)")
 
 
 def worker_needs_host_copy(cfg: Any) -> bool:
-    """A rollout worker's HF model computes behaviour log-probs at the generating weights (recompute)."""
+    """A rollout worker's HF model computes behaviour log-probs at the generating weights (recompute), so it needs
+    each version as a state dict besides what its vLLM engine receives."""
     return cfg.actor.behavior_logp == "recompute"
 
 
-def rollout_worker_weight_sync(cfg: Any) -> tuple[str, str]:
-    """The path every vLLM rollout worker of ``cfg`` chooses at its start (the controller asks the same question to
-    set up its side before any weights are sent; same machine, same vLLM build, same answer). Without a CUDA device
-    only the CPU build can run, so vLLM is not imported into the controller there."""
+def rollout_worker_weight_sync() -> tuple[str, str]:
+    """The path every vLLM rollout worker chooses at its start (the controller asks the same question to set up its
+    side before any weights are sent; same machine, same vLLM build, same answer). Without a CUDA device only the
+    CPU build can run, so vLLM is not imported into the controller there."""
     cpu_build = not torch.cuda.is_available() or is_cpu_build()
-    return choose_weight_sync(cpu_build=cpu_build, colocated=False, needs_host_copy=worker_needs_host_copy(cfg))
+    return choose_weight_sync(cpu_build=cpu_build, colocated=False)
 
 
 def engine_save_dtype(dtype: str) -> Optional[torch.dtype]:
@@ -277,8 +272,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
                  *, options: Any, work_dir: Path, seed: int, max_num_seqs: int, version: int = -1,
-                 track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None,
-                 needs_host_copy: bool = False):
+                 track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None):
         self.vllm = import_vllm()
         self.tokenizer = tokenizer
         self.format_prompt = format_prompt
@@ -291,7 +285,6 @@ class VLLMRolloutEngine:
         self.max_seq_len = max_seq_len  # longest prompt + completion in flight: sizes the GPU memory default
         self.source_model = model
         self.track_source = track_source
-        self.needs_host_copy = needs_host_copy  # choose_weight_sync: a recompute worker keeps the host path
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None or self.eos_id is None:
@@ -315,8 +308,7 @@ class VLLMRolloutEngine:
         o = self.options
         cpu = is_cpu_build()
         dtype = resolve_dtype(o.dtype, self.actor_dtype, cpu)
-        self.weight_sync, why = choose_weight_sync(cpu_build=cpu, colocated=self.track_source,
-                                                   needs_host_copy=self.needs_host_copy)
+        self.weight_sync, why = choose_weight_sync(cpu_build=cpu, colocated=self.track_source)
         print(f"vLLM weight sync: {self.weight_sync} ({why})", flush=True)
         model_dir = save_hf_dir(self.source_model, self.tokenizer, self.work_dir / "model", engine_save_dtype(dtype))
         utilization = o.gpu_memory_utilization
@@ -537,5 +529,4 @@ def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt
     model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 15
     return VLLMRolloutEngine(model, tokenizer, format_prompt, reward_fn, options=cfg.rollout.vllm, work_dir=work_dir,
                              seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source,
-                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len),
-                             needs_host_copy=not track_source and worker_needs_host_copy(cfg))
+                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len))

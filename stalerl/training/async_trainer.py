@@ -168,7 +168,7 @@ class AsyncTrainer(Trainer):
             return
         from stalerl.rollout.vllm_engine import rollout_worker_weight_sync
 
-        path, why = rollout_worker_weight_sync(self.cfg)
+        path, why = rollout_worker_weight_sync()
         self.log(f"vLLM weight sync: {path} ({why})")
         if path != "nccl":
             return
@@ -355,33 +355,43 @@ class AsyncTrainer(Trainer):
         """Make the current weights (version = self.step) the ones every later task is generated with.
 
         Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
-        so a busy worker never accumulates a backlog of weight sets, file handles or files."""
+        so a busy worker never accumulates a backlog of weight sets, file handles or files. vLLM workers on nccl get
+        a snapshot on this GPU, broadcast when sent (plus the host copy only when their HF model recomputes)."""
+        from stalerl.rollout.vllm_engine import worker_needs_host_copy
+
         start = time.perf_counter()
         version = self.step
-        if self.nccl_senders:  # a snapshot on this GPU, broadcast to each worker when it is sent (no host copy)
+        host = None
+        if not self.nccl_senders or worker_needs_host_copy(self.cfg):
+            host = self._host_copy(version)
+        if self.nccl_senders:
             from stalerl.rollout.vllm_engine import engine_save_dtype, resolve_dtype
             from stalerl.rollout.vllm_nccl import snapshot_parameters, update_info_for
 
             # in the engine's dtype (what its start-up checkpoint holds): a bf16 engine gets half the bytes
             engine_dtype = resolve_dtype(self.cfg.rollout.vllm.dtype, self.cfg.actor.dtype, cpu_build=False)
             params = snapshot_parameters(self.model, engine_save_dtype(engine_dtype))
-            self.latest_weights = (version, "receive_weights", (update_info_for(params), params))
-        elif self.cfg.rollout.weight_sync == "shared_memory":
-            self.latest_weights = (version, "load_weights", self.hosting.share(self.model.state_dict()))
+            self.latest_weights = (version, "receive_weights", (update_info_for(params), params, host))
         else:
-            path = self.run_dir / "weights" / f"v{version}.pt"
-            atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
-            self.weight_files[version] = path
-            self.latest_weights = (version, "load_weights_from_file", str(path))
-            self._delete_unneeded_weight_files()
+            self.latest_weights = (version, *host)
+        self._delete_unneeded_weight_files()
         return time.perf_counter() - start
+
+    def _host_copy(self, version: int) -> tuple[str, Any]:
+        """The weights as a state dict a worker can load: (worker method, shared state or file path)."""
+        if self.cfg.rollout.weight_sync == "shared_memory":
+            return "load_weights", self.hosting.share(self.model.state_dict())
+        path = self.run_dir / "weights" / f"v{version}.pt"
+        atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
+        self.weight_files[version] = path
+        return "load_weights_from_file", str(path)
 
     def _send_latest_weights(self, worker) -> None:
         version, method, payload = self.latest_weights
         if self.sent_version.get(worker.role, -1) < version:
             if method == "receive_weights":  # nccl: the receive command first (ordered before any later task)
-                update_info, params = payload
-                worker.call(method, version, update_info)
+                update_info, params, host = payload
+                worker.call(method, version, update_info, host)
                 self.nccl_senders[worker.role].submit(version, params)
             else:
                 worker.call(method, version, payload)

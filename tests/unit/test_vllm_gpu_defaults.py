@@ -156,34 +156,26 @@ def test_planned_length_covers_training_and_evaluation_prompts(train_len, valid_
 def test_weight_sync_path_is_public_ipc_colocated_nccl_on_own_gpus_and_the_internal_reload_on_cpu():
     assert choose_weight_sync(cpu_build=False, colocated=True)[0] == "ipc"
     assert choose_weight_sync(cpu_build=False, colocated=False)[0] == "nccl"  # async rollout worker on its own GPU
-    assert choose_weight_sync(cpu_build=True, colocated=True)[0] == "reload"
+    assert choose_weight_sync(cpu_build=True, colocated=True)[0] == "reload"  # the internal API: CPU only
     assert choose_weight_sync(cpu_build=True, colocated=False)[0] == "reload"
-    # a recompute worker's HF forward needs the host copy anyway: the host path, said with its reason
-    path, why = choose_weight_sync(cpu_build=False, colocated=False, needs_host_copy=True)
-    assert path == "reload" and "recompute" in why
-    assert choose_weight_sync(cpu_build=False, colocated=True, needs_host_copy=True)[0] == "ipc"
     for cpu in (True, False):
-        for colocated in (True, False):
-            for host in (True, False):  # every choice carries its reason (named in the log)
-                assert choose_weight_sync(cpu_build=cpu, colocated=colocated, needs_host_copy=host)[1]
+        for colocated in (True, False):  # every choice carries its reason (named in the log)
+            assert choose_weight_sync(cpu_build=cpu, colocated=colocated)[1]
 
 
-@pytest.mark.parametrize("behavior_logp, cpu, expected", [("rollout", False, "nccl"), ("recompute", False, "reload"),
-                                                           ("rollout", True, "reload")])
-def test_rollout_workers_path_follows_the_config_and_the_build(monkeypatch, behavior_logp, cpu, expected):
+@pytest.mark.parametrize("cpu, expected", [(False, "nccl"), (True, "reload")])
+def test_rollout_workers_path_follows_the_build(monkeypatch, cpu, expected):
     """The controller asks the same question as each worker's engine (stalerl.training.async_trainer sets up its
     side of nccl from this answer); the vLLM build is stubbed (no vLLM here)."""
     import stalerl.rollout.vllm_engine as ve
 
     monkeypatch.setattr(ve, "is_cpu_build", lambda: cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg = load_config(["--config", str(GPU_CONFIG), "rollout.backend=vllm:d1",
-                       f"actor.behavior_logp={behavior_logp}"])
-    assert ve.rollout_worker_weight_sync(cfg)[0] == expected
+    assert ve.rollout_worker_weight_sync()[0] == expected
     # no CUDA device: the CPU build's answer, without importing vLLM into the controller
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(ve, "is_cpu_build", lambda: pytest.fail("vLLM imported without a GPU"))
-    assert ve.rollout_worker_weight_sync(cfg)[0] == "reload"
+    assert ve.rollout_worker_weight_sync()[0] == "reload"
 
 
 def test_startup_checkpoint_is_written_in_the_engine_dtype(tmp_path):

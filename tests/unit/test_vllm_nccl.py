@@ -164,25 +164,72 @@ def test_engine_drives_vllms_four_phase_api_and_stamps_the_version_after_it():
         other.receive_weights(update, 1)
 
 
-def test_controller_queues_the_receive_command_before_broadcasting_and_sends_each_version_once():
+class _Worker:
+    role = "rollout/0"
+
+    def __init__(self, events):
+        self.events = events
+
+    def call(self, method, *args):
+        self.events.append(("call", method, *args))
+
+
+class _Sender:
+    def __init__(self, events):
+        self.events = events
+
+    def submit(self, version, params):
+        self.events.append(("broadcast", version, [n for n, _ in params]))
+
+
+def _controller(tmp_path, events, behavior_logp: str):
+    from types import SimpleNamespace
+
     from stalerl.training.async_trainer import AsyncTrainer
 
+    trainer = object.__new__(AsyncTrainer)  # the weight methods only, on a stand-in config and hosting
+    trainer.cfg = SimpleNamespace(actor=SimpleNamespace(behavior_logp=behavior_logp, dtype="bfloat16"),
+                                  rollout=SimpleNamespace(weight_sync="shared_memory", vllm=SimpleNamespace(dtype=None)))
+    trainer.hosting = SimpleNamespace(share=lambda state: {"shared": sorted(state)})
+    trainer.model = torch.nn.Linear(2, 3)
+    trainer.nccl_senders, trainer.sent_version, trainer.loaded_version = {"rollout/0": _Sender(events)}, {}, {}
+    trainer.weight_files, trainer.run_dir, trainer.step = {}, tmp_path, 4
+    return trainer
+
+
+@pytest.mark.parametrize("behavior_logp", ["rollout", "recompute"])
+def test_controller_queues_the_receive_command_before_broadcasting_and_sends_each_version_once(tmp_path,
+                                                                                              behavior_logp):
+    """publish_weights + _send_latest_weights on the nccl path: a bf16 snapshot on the controller's device, the
+    worker's receive command queued before the broadcast, each version once; the host copy only for a worker whose
+    HF model recomputes behaviour log-probs."""
     events = []
+    trainer = _controller(tmp_path, events, behavior_logp)
+    trainer.publish_weights()
+    version, method, (info, params, host) = trainer.latest_weights
+    assert (version, method) == (4, "receive_weights") and info == update_info_for(params)
+    assert info["names"] == ["weight", "bias"] and info["dtype_names"] == ["bfloat16", "bfloat16"]
+    assert host == (None if behavior_logp == "rollout" else ("load_weights", {"shared": ["bias", "weight"]}))
+    worker = _Worker(events)
+    trainer._send_latest_weights(worker)
+    trainer._send_latest_weights(worker)  # already sent: coalesced
+    assert events == [("call", "receive_weights", 4, info, host), ("broadcast", 4, ["weight", "bias"])]
 
-    class Worker:
-        role = "rollout/0"
 
-        def call(self, method, *args):
-            events.append(("call", method, args[0]))
+def test_worker_loads_the_host_copy_into_its_hf_model_before_vllm_receives(tmp_path):
+    from stalerl.training.workers.rollout_worker import RolloutWorker
 
-    class Sender:
-        def submit(self, version, params):
-            events.append(("broadcast", version))
+    order = []
 
-    trainer = object.__new__(AsyncTrainer)
-    trainer.nccl_senders, trainer.sent_version = {"rollout/0": Sender()}, {}
-    params = [("w", torch.zeros(2))]
-    trainer.latest_weights = (4, "receive_weights", (update_info_for(params), params))
-    trainer._send_latest_weights(Worker())
-    trainer._send_latest_weights(Worker())  # already sent: coalesced
-    assert events == [("call", "receive_weights", 4), ("broadcast", 4)]
+    class Engine:
+        def receive_weights(self, info, version):
+            order.append(("vllm", version, float(worker.model.weight.detach().sum())))
+
+    worker = object.__new__(RolloutWorker)
+    worker.model, worker.engine = torch.nn.Linear(2, 1, bias=False), Engine()
+    state = {"weight": torch.ones(1, 2)}
+    worker.receive_weights(7, {"names": ["weight"]}, ("load_weights", state))
+    torch.save({"weight": torch.full((1, 2), 3.0)}, tmp_path / "v8.pt")
+    worker.receive_weights(8, {"names": ["weight"]}, ("load_weights_from_file", str(tmp_path / "v8.pt")))
+    out = worker.receive_weights(9, {"names": ["weight"]})  # no host copy: the HF model is left alone
+    assert order == [("vllm", 7, 2.0), ("vllm", 8, 6.0), ("vllm", 9, 6.0)] and out["version"] == 9
