@@ -111,7 +111,9 @@ class RolloutConfig(_Section):
                         "more than one replica, else sync.")
     weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
                           help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
-                               "(a checkpoint under the run directory; works across machines).")
+                               "(a checkpoint under the run directory; works across machines). vLLM rollout workers "
+                               "on CUDA receive them over NCCL from the trainer's GPU instead (this setting then "
+                               "only feeds a recompute worker's HF model).")
     vllm: VLLMConfig = _f(factory=VLLMConfig, help="vLLM engine options (rollout.backend=vllm:dX).")
 
     def _check(self) -> List[Tuple[str, str]]:

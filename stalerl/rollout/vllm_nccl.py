@@ -20,7 +20,7 @@ sender thread per worker, from a snapshot of the version's parameters on the con
 Versions are broadcast in the order they were submitted (the order the worker receives them).
 
 Everything but the group itself is plain Python and tested on CPU with a fake communicator
-(tests/unit/test_vllm_gpu_defaults.py); the GPU check exercises the group where two GPUs and vLLM are present.
+(tests/unit/test_vllm_nccl.py); the GPU check exercises the group where two GPUs and vLLM are present.
 """
 
 from __future__ import annotations
