@@ -189,9 +189,8 @@ def vllm_bench(device: str, model_dir: Path, work: Path, n_gpus: int) -> dict[st
 
 def nccl_worker(device_index: int, model_dir: str, work: str, conn) -> None:
     """The rollout worker's side, in its own process on GPU ``device_index``: an engine that chose nccl."""
-    import torch
-
-    torch.cuda.set_device(device_index)
+    # Before CUDA starts here: vLLM's in-process worker takes cuda:0 of what it sees (as a rollout worker's does)
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device_index)
     model, tok = _policy(Path(model_dir), "cpu")  # the worker holds its HF model on the host (rollout_worker)
     engine = _engine(model, tok, Path(work), _options(None), track_source=False)
     conn.send(("path", engine.weight_sync))
