@@ -327,7 +327,7 @@ def write_run_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[s
         path.parent.mkdir(parents=True, exist_ok=True)
         total = total_wall_s(_previous_summary(path), wall_s, cfg.recover.mode)
         return write_summary(path, {**build_summary(cfg, status=status, wall_s=wall_s, error=error),
-                                    "wall_s_total": _round(total, 4), **(extra or {})})
+                                    "wall_s_total": round(total, 3), **(extra or {})})
     except Exception as exc:  # noqa: BLE001
         if strict and isinstance(exc, ResourceError):
             raise
