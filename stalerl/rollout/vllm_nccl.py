@@ -83,7 +83,8 @@ class NCCLWeightSender:
     :meth:`connect` while the worker runs ``init_weight_transfer_engine``."""
 
     def __init__(self, init_info: dict[str, Any], device: torch.device,
-                 make_group: Callable[..., Any] = _vllm_group, on_error: Optional[Callable[[BaseException], None]] = None):
+                 make_group: Callable[..., Any] = _vllm_group,
+                 on_error: Optional[Callable[[BaseException], None]] = None):
         self.init_info = init_info
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the communicator and the stream need the index

@@ -189,7 +189,8 @@ def _controller(tmp_path, events, behavior_logp: str):
 
     trainer = object.__new__(AsyncTrainer)  # the weight methods only, on a stand-in config and hosting
     trainer.cfg = SimpleNamespace(actor=SimpleNamespace(behavior_logp=behavior_logp, dtype="bfloat16"),
-                                  rollout=SimpleNamespace(weight_sync="shared_memory", vllm=SimpleNamespace(dtype=None)))
+                                  rollout=SimpleNamespace(weight_sync="shared_memory",
+                                                          vllm=SimpleNamespace(dtype=None)))
     trainer.hosting = SimpleNamespace(share=lambda state: {"shared": sorted(state)})
     trainer.model = torch.nn.Linear(2, 3)
     trainer.nccl_senders, trainer.sent_version, trainer.loaded_version = {"rollout/0": _Sender(events)}, {}, {}
