@@ -180,8 +180,8 @@ def vllm_bench(device: str, model_dir: Path, work: Path, n_gpus: int) -> dict[st
     variants = [False, True] if device == "cuda" else [True]  # the CPU build has no CUDA graphs
     out: dict[str, Any] = {"run": True, "variants": []}
     for eager in variants:
-        out["variants"].append(_child(["vllm", "--eager" if eager else "--graphs"], device, model_dir,
-                                      work / f"vllm-{'eager' if eager else 'graphs'}"))
+        variant = "eager" if eager else "graphs"
+        out["variants"].append(_child(variant, device, model_dir, work / f"vllm-{variant}"))
     if device != "cuda":
         out["graphs"] = "not on the CPU build (no CUDA graphs there)"
     return out
@@ -268,12 +268,15 @@ def bench_problems(bench: dict[str, Any]) -> list[str]:
     return out
 
 
-def _child(args: list[str], device: str, model_dir: Path, work: Path) -> dict[str, Any]:
+def child_argv(variant: str, device: str, model_dir: Path, out: Path) -> list[str]:
+    return ["--device", device, "--model", str(model_dir), "--out", str(out), "--vllm-variant", variant]
+
+
+def _child(variant: str, device: str, model_dir: Path, work: Path) -> dict[str, Any]:
     """A vLLM measurement in a fresh process (an engine's GPU memory is only given back when its process ends)."""
     work.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run([sys.executable, __file__, "--device", device, "--model", str(model_dir), "--out",
-                          str(work / "result.json"), "--part", *args], capture_output=True, text=True,
-                         timeout=CHILD_TIMEOUT_S)
+    res = subprocess.run([sys.executable, __file__, *child_argv(variant, device, model_dir, work / "result.json")],
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     result = work / "result.json"
     if res.returncode != 0 or not result.is_file():
         return {"ok": False, "exit_code": res.returncode, "tail": (res.stdout + res.stderr)[-1500:]}
@@ -316,10 +319,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True)
     ap.add_argument("--model", type=Path, required=True, help="the real-scale model directory (smoke_assets.py)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--part", nargs="+", default=None, help=argparse.SUPPRESS)  # internal: one vLLM variant
+    ap.add_argument("--vllm-variant", choices=("eager", "graphs"), help=argparse.SUPPRESS)  # internal: a child
     args = ap.parse_args(argv)
-    if args.part:  # a child: one vLLM engine
-        result = vllm_variant(args.device, args.model, args.out.parent, enforce_eager=args.part[1] == "--eager")
+    if args.vllm_variant:  # a child: one vLLM engine
+        result = vllm_variant(args.device, args.model, args.out.parent, enforce_eager=args.vllm_variant == "eager")
         args.out.write_text(json.dumps(result))
         return 0
     import torch

@@ -119,3 +119,42 @@ def test_a_crashing_measurement_is_recorded_and_the_others_still_run():
     assert part["ok"] is False and "NCCL error" in part["why"]
     assert bench_mod.bench_problems({"nccl": part, "vllm": {"run": False, "why": "x"}}) == [
         "measurement nccl failed: RuntimeError: NCCL error"]
+
+
+def test_vllm_child_measures_one_engine_and_writes_its_result(tmp_path, monkeypatch):
+    """The child's command line (what _child runs) parses, and vllm_variant's flow over an engine stand-in: start,
+    warm-up and measured generation, two syncs on the path the engine chose (no vLLM here)."""
+    import torch
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Engine:
+        weight_sync, last_sync_seconds = "ipc", 0.25
+
+        def __init__(self, options):
+            self.options = options
+
+        def set_version(self, v):
+            calls.append(("set_version", v))
+
+        def generate(self, questions, answers, **kw):
+            calls.append(("generate", len(questions), kw["max_new_tokens"]))
+            return SimpleNamespace(num_response_tokens=len(questions) * kw["max_new_tokens"])
+
+        def close(self):
+            calls.append(("close",))
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(bench_mod, "_policy", lambda d, dev: (model, None))
+    monkeypatch.setattr(bench_mod, "_options", lambda eager: SimpleNamespace(enforce_eager=eager))
+    monkeypatch.setattr(bench_mod, "_engine", lambda m, t, w, o, track_source: Engine(o))
+    out = tmp_path / "result.json"
+    assert bench_mod.main(bench_mod.child_argv("graphs", "cpu", tmp_path / "model", out)) == 0
+    result = json.loads(out.read_text())
+    assert result["enforce_eager"] is False and result["weight_sync"] == "ipc" and result["sync_s"] == [0.25, 0.25]
+    g = bench_mod.GEN["cpu"]
+    assert result["tokens"] == g["prompts"] * g["max_new_tokens"] and result["tokens_per_s"] > 0
+    assert calls == [("set_version", 0), ("generate", g["prompts"], g["max_new_tokens"]),
+                     ("generate", g["prompts"], g["max_new_tokens"]), ("set_version", 1), ("set_version", 2),
+                     ("close",)]
