@@ -158,6 +158,12 @@ def worker_needs_host_copy(cfg: Any) -> bool:
     return cfg.actor.behavior_logp == "recompute"
 
 
+def host_copy_needed(worker_path: Optional[str], cfg: Any) -> bool:
+    """Whether the controller publishes each version as a state dict (shared memory / disk): for every worker path
+    but nccl (``worker_path`` None: HF rollout workers), and on nccl for a recompute worker's HF model."""
+    return worker_path != "nccl" or worker_needs_host_copy(cfg)
+
+
 def rollout_worker_weight_sync() -> tuple[str, str]:
     """The path every vLLM rollout worker chooses at its start (the controller asks the same question to set up its
     side before any weights are sent; same machine, same vLLM build, same answer). Without a CUDA device only the

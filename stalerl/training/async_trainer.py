@@ -104,7 +104,15 @@ class AsyncTrainer(Trainer):
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
         self.hosting = make_hosting(cfg, self.run_dir / "logs")
-        if cfg.rollout.weight_sync == "shared_memory" and hasattr(self.hosting, "check_shared_memory"):
+        # vLLM rollout workers' weight-sync path (the one their engines choose at start), None for HF workers
+        from stalerl.rollout.vllm_engine import host_copy_needed, rollout_worker_weight_sync
+
+        self.worker_sync: Optional[tuple[str, str]] = None
+        if cfg.rollout.backend.split(":", 1)[0] == "vllm":
+            self.worker_sync = rollout_worker_weight_sync()
+        self.host_copy = host_copy_needed(self.worker_sync and self.worker_sync[0], cfg)
+        if (self.host_copy and cfg.rollout.weight_sync == "shared_memory"
+                and hasattr(self.hosting, "check_shared_memory")):  # nccl alone needs no /dev/shm
             self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
         self.results = self.hosting.results
         self.rollout_workers: list[WorkerProcess] = []
@@ -164,11 +172,9 @@ class AsyncTrainer(Trainer):
         """vLLM rollout workers on their own GPUs take the nccl path (rollout_worker_weight_sync, the same choice
         their engines made at start): each joins a group with this process as rank 0, which then broadcasts every
         version from its GPU (stalerl.rollout.vllm_nccl) instead of sharing a host copy."""
-        if self.cfg.rollout.backend.split(":", 1)[0] != "vllm":
+        if self.worker_sync is None:
             return
-        from stalerl.rollout.vllm_engine import rollout_worker_weight_sync
-
-        path, why = rollout_worker_weight_sync()
+        path, why = self.worker_sync
         self.log(f"vLLM weight sync: {path} ({why})")
         if path != "nccl":
             return
@@ -357,13 +363,9 @@ class AsyncTrainer(Trainer):
         Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
         so a busy worker never accumulates a backlog of weight sets, file handles or files. vLLM workers on nccl get
         a snapshot on this GPU, broadcast when sent (plus the host copy only when their HF model recomputes)."""
-        from stalerl.rollout.vllm_engine import worker_needs_host_copy
-
         start = time.perf_counter()
         version = self.step
-        host = None
-        if not self.nccl_senders or worker_needs_host_copy(self.cfg):
-            host = self._host_copy(version)
+        host = self._host_copy(version) if self.host_copy else None
         if self.nccl_senders:
             from stalerl.rollout.vllm_engine import engine_save_dtype, resolve_dtype
             from stalerl.rollout.vllm_nccl import snapshot_parameters, update_info_for

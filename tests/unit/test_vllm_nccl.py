@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from stalerl.rollout.vllm_nccl import (NCCLWeightSender, snapshot_parameters, update_info_for, worker_init_info)
+from stalerl.rollout.vllm_engine import host_copy_needed
+from stalerl.rollout.vllm_nccl import NCCLWeightSender, snapshot_parameters, update_info_for, worker_init_info
 
 
 def test_worker_init_info_puts_the_trainer_at_rank_0_and_the_engine_after_it():
@@ -195,7 +196,18 @@ def _controller(tmp_path, events, behavior_logp: str):
     trainer.model = torch.nn.Linear(2, 3)
     trainer.nccl_senders, trainer.sent_version, trainer.loaded_version = {"rollout/0": _Sender(events)}, {}, {}
     trainer.weight_files, trainer.run_dir, trainer.step = {}, tmp_path, 4
+    trainer.host_copy = host_copy_needed("nccl", trainer.cfg)  # as AsyncTrainer.__init__ decides it
     return trainer
+
+
+def test_host_copy_is_published_for_every_path_but_nccl_and_for_a_recompute_worker():
+    from types import SimpleNamespace
+
+    rollout, recompute = (SimpleNamespace(actor=SimpleNamespace(behavior_logp=b)) for b in ("rollout", "recompute"))
+    assert not host_copy_needed("nccl", rollout)  # vLLM alone on nccl: no state dict, no /dev/shm check
+    assert host_copy_needed("nccl", recompute)  # its HF model recomputes behaviour log-probs
+    for path in (None, "reload"):  # HF rollout workers; the CPU build's vLLM
+        assert host_copy_needed(path, rollout) and host_copy_needed(path, recompute)
 
 
 @pytest.mark.parametrize("behavior_logp", ["rollout", "recompute"])
