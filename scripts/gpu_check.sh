@@ -8,7 +8,10 @@
 #      16k-token micro-batches, M2PO) on a from-scratch model with Qwen2.5-1.5B's architecture and vocabulary (random
 #      weights built there, scripts/smoke_assets.py) for STALERL_CHECK_STEPS steps; reports peak GPU memory, each
 #      step's time split into generation / log-probs / training, and generated tokens per second;
-#   3. the smaller smoke runs: scripts/gpu_smoke.sh (85M model; d2 runs only with 3 GPUs).
+#   3. measurements (scripts/gpu_check_bench.py, merged into the report): chunked vs plain training log-probs at
+#      the 1.5B head shape; vLLM's generation tokens/s with and without CUDA graphs and its weight-sync path and
+#      time per sync (colocated ipc; nccl to a second GPU); each vLLM part says why when skipped (no vLLM);
+#   4. the smaller smoke runs: scripts/gpu_smoke.sh (85M model; d2 runs only with 3 GPUs).
 # Overrides of the shipped config in step 2, and why:
 #   rollout.fixed_staleness=1       shipped 8: filling the FIFO would generate 9 batches before the first step
 #                                   (minutes); 1 keeps the FIFO path and gives step 2 a batch one version stale
@@ -21,6 +24,8 @@
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh    # CPU dry mode: tiny sizes, same script and code paths
 # Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here),
 #      STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
+#      STALERL_CHECK_BENCH_TIMEOUT_S (300 s for the measurements; 900 in CPU dry mode), STALERL_CHECK_VLLM=0 (skip
+#      the vLLM measurements),
 #      STALERL_SMOKE_DIR (work dir; default a new temp dir), STALERL_CHECK_REPORT (also copy the JSON report there),
 #      STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1 (install the wheels even if omegaconf imports),
 #      PYTHON (python3).
@@ -34,6 +39,8 @@ WORK="${STALERL_SMOKE_DIR:-$(mktemp -d -t stalerl-gpucheck-XXXXXX)}"
 WHEELS="${STALERL_CHECK_WHEELS:-$REPO/.whl}"
 # The limit keeps a GPU slot's budget for step 3; the CPU dry mode has no such budget (a loaded CI runner is slow).
 LIMIT="${STALERL_CHECK_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 3600 || echo 300)}"
+# The measurements' limit: without vLLM in the image they take well under a minute; with it, two engine starts
+BENCH_LIMIT="${STALERL_CHECK_BENCH_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 900 || echo 300)}"
 export STALERL_SMOKE_DIR="$WORK" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
@@ -125,14 +132,24 @@ if [ "$RC" -ne 0 ]; then
   echo "gpu_check: real-scale run exit code $RC; last lines of $LOG:" >&2
   tail -20 "$LOG" | sed 's/^/    /' >&2
 fi
+# ---------------------------------------------------------------------------------------------- 3. measurements
+# chunked vs plain log-probs at the 1.5B head shape; vLLM tokens/s with and without CUDA graphs and its weight-sync
+# path and time per sync (colocated; nccl with 2 GPUs); the vLLM parts say why when skipped (no vLLM in the image)
+echo "gpu_check: measurements (log-probs, vLLM with / without CUDA graphs, weight sync; limit ${BENCH_LIMIT}s)"
+rm -f "$WORK/gpu_check_bench.json"
+timeout "$BENCH_LIMIT" "$PY" scripts/gpu_check_bench.py --device "$DEVICE" --model "$WORK/real/model" \
+  --out "$WORK/gpu_check_bench.json" >"$WORK/bench.log" 2>&1 \
+  || { echo "gpu_check: measurements failed (exit $?); last lines of $WORK/bench.log:" >&2
+       tail -15 "$WORK/bench.log" | sed 's/^/    /' >&2; }
 "$PY" scripts/gpu_check_report.py "$RUN" --steps "$STEPS" --exit-code "$RC" --device "$DEVICE" \
-  --nvidia-smi "$WORK/nvidia-smi.csv" --log "$LOG" --out "$WORK/gpu_check_report.json" || REAL_OK=0
+  --nvidia-smi "$WORK/nvidia-smi.csv" --log "$LOG" --bench "$WORK/gpu_check_bench.json" \
+  --out "$WORK/gpu_check_report.json" || REAL_OK=0
 if [ -n "${STALERL_CHECK_REPORT:-}" ] && [ -f "$WORK/gpu_check_report.json" ]; then
   cp "$WORK/gpu_check_report.json" "$STALERL_CHECK_REPORT"
 fi
 echo "gpu_check: real-scale part done after $((SECONDS - START))s"
 
-# ---------------------------------------------------------------------------------------------- 3. smoke runs
+# ---------------------------------------------------------------------------------------------- 4. smoke runs
 bash scripts/gpu_smoke.sh
 SMOKE_RC=$?
 echo

@@ -5,7 +5,12 @@ time split into generation / log-probs / training (``timing/split/*``, disjoint 
 generated tokens per second, response length, staleness, M2PO's masked fraction; peak memory over the run (the
 CUDA allocator's allocated and reserved peaks, or peak RSS on CPU; nvidia-smi's sampled peak when there is one).
 
-    python scripts/gpu_check_report.py RUN_DIR --steps N --exit-code RC --device cuda|cpu [--nvidia-smi CSV] --out JSON
+With ``--bench JSON`` (scripts/gpu_check_bench.py's output) the report also carries, under ``bench``, the
+chunked-vs-plain log-prob time, vLLM's generation tokens/s with and without CUDA graphs and the weight-sync path and
+time per sync (colocated, and nccl to a worker on another GPU), each either measured or skipped with the reason.
+
+    python scripts/gpu_check_report.py RUN_DIR --steps N --exit-code RC --device cuda|cpu [--nvidia-smi CSV]
+        [--bench JSON] --out JSON
 """
 
 from __future__ import annotations
@@ -113,7 +118,20 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{mm['mismatch/max_abs']:.3g} over {mm['mismatch/tokens']:.0f} tokens" if mm else "not logged"))
     if report["nvidia_smi_peak_mib"] is not None:
         lines.append(f"  nvidia-smi peak memory.used: {report['nvidia_smi_peak_mib'] / 1024:.2f} GiB")
+    if report.get("bench") is not None:
+        lines.append("measurements (scripts/gpu_check_bench.py):")
+        lines += _bench_module().format_bench(report["bench"])
     return "\n".join(lines)
+
+
+def _bench_module():
+    """scripts/gpu_check_bench.py, beside this file (both run as scripts, not as an installed package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_bench", Path(__file__).with_name("gpu_check_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -133,6 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--nvidia-smi", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--log", type=Path, default=None, help="the run's console log (names the weight-sync path)")
+    ap.add_argument("--bench", type=Path, default=None, help="scripts/gpu_check_bench.py's JSON")
     args = ap.parse_args(argv)
     metrics = args.run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
@@ -142,6 +161,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not rows:
         report["problems"].append(f"no metrics at {metrics}")
         report["ok"] = False
+    if args.bench is not None:
+        if args.bench.is_file():
+            report["bench"] = json.loads(args.bench.read_text())
+            report["problems"] += _bench_module().bench_problems(report["bench"])
+            report["ok"] = not report["problems"]
+        else:  # the measurements crashed or ran past their limit: a problem of the check, named
+            report["bench"] = None
+            report["problems"].append(f"no measurements at {args.bench} (scripts/gpu_check_bench.py failed)")
+            report["ok"] = False
     write_json_atomic(args.out, report)
     print(format_report(report))
     return 0 if report["ok"] else 1

@@ -67,7 +67,7 @@ def _check_value(key: str, value: Any, tp: Any, metadata: Any) -> Optional[str]:
     if choices is not None and value not in choices:
         allowed = ", ".join(choices) + (", null" if optional else "")
         return (f"got {value!r}; expected one of {allowed}{_did_you_mean(str(value), choices)}. "
-                f"Fix: set {key}={choices[0]}.")
+                f"Fix: set {key}={_fix_value(str(value), choices, choices[0])}.")
     for name, op, words in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
         bound = metadata.get(name)
@@ -76,9 +76,22 @@ def _check_value(key: str, value: Any, tp: Any, metadata: Any) -> Optional[str]:
     return None
 
 
-def _did_you_mean(word: str, candidates: Any) -> str:
+def _closest(word: str, candidates: Any) -> Optional[str]:
+    """The candidate ``word`` most likely misspells (difflib, ratio >= 0.6), or None."""
     close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def _did_you_mean(word: str, candidates: Any) -> str:
+    close = _closest(word, candidates)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _fix_value(word: str, candidates: Any, default: Any) -> Any:
+    """The value a Fix line names: the suggested spelling when there is one (so the line does not say "did you
+    mean 'm2po'?" and then "set actor.loss=fipo"), else ``default``."""
+    close = _closest(word, candidates)
+    return close if close is not None else default
 
 
 def _format_problems(problems: List[Tuple[str, str]]) -> str:

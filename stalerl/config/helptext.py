@@ -20,12 +20,14 @@ def _fmt_value(value: Any) -> str:
     return str(value)
 
 
-def format_help(config_cls: type = ExperimentConfig) -> str:
-    """Usage, options, and every config key with its type, default, choices and help, grouped by section."""
+def format_help(config_cls: type = ExperimentConfig, extra_flags: tuple[str, ...] = ()) -> str:
+    """Usage, options, and every config key with its type, default, choices and help, grouped by section.
+    ``extra_flags``: flags a caller handles itself (the launcher's ``--debug``), named in the usage line too."""
     import textwrap
 
+    extra = "".join(f" [{f}]" for f in extra_flags)
     lines = [
-        "usage: python <script>.py [--config FILE.yaml] [key=value ...] [--dry-run] [--plot] [-h]",
+        f"usage: python <script>.py [--config FILE.yaml] [key=value ...] [--dry-run] [--plot]{extra} [-h]",
         "",
         "options:",
         "  --config FILE   YAML file merged over the defaults below (optional).",

@@ -6,7 +6,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
 
 from stalerl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
-from stalerl.config.checks import _did_you_mean, _type_hints, _unwrap_optional
+from stalerl.config.checks import _did_you_mean, _fix_value, _type_hints, _unwrap_optional
 from stalerl.config.errors import _DEFER_CHECKS, ConfigError
 from stalerl.config.rules import _resolve_python_interpolations, validate
 from stalerl.config.section import _f, _Section
@@ -111,7 +111,9 @@ class RolloutConfig(_Section):
                         "more than one replica, else sync.")
     weight_sync: str = _f("shared_memory", choices=("shared_memory", "disk"),
                           help="How new weights reach the rollout engine: shared_memory (same machine) or disk "
-                               "(a checkpoint under the run directory; works across machines).")
+                               "(a checkpoint under the run directory; works across machines). vLLM rollout workers "
+                               "on CUDA receive them over NCCL from the trainer's GPU instead (this setting then "
+                               "only feeds a recompute worker's HF model).")
     vllm: VLLMConfig = _f(factory=VLLMConfig, help="vLLM engine options (rollout.backend=vllm:dX).")
 
     def _check(self) -> List[Tuple[str, str]]:
@@ -304,12 +306,14 @@ class ActorConfig(_Section):
         if not is_policy_loss_registered(self.loss):  # built-in names answer without importing torch
             losses = registered_policy_losses()
             out.append(("loss", f"got {self.loss!r}; expected a registered policy loss: {', '.join(losses)}"
-                                f"{_did_you_mean(self.loss, losses)}. Fix: set actor.loss={losses[0]}, or "
+                                f"{_did_you_mean(self.loss, losses)}. Fix: set "
+                                f"actor.loss={_fix_value(self.loss, losses, losses[0])}, or "
                                 "register yours with recipe.registry.register_policy_loss before load_config."))
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             out.append(("loss_agg_mode", f"got {self.loss_agg_mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}"
                                          f"{_did_you_mean(self.loss_agg_mode, LOSS_AGG_MODES)}. "
-                                         "Fix: set actor.loss_agg_mode=token-mean."))
+                                         "Fix: set actor.loss_agg_mode="
+                                         f"{_fix_value(self.loss_agg_mode, LOSS_AGG_MODES, 'token-mean')}."))
         if self.loss == "fipo":
             eps_high = self.eps_clip_higher if self.eps_clip_higher is not None else self.eps_clip
             if self.fipo_clip_ratio_c <= 1.0 + eps_high:

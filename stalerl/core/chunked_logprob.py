@@ -70,13 +70,20 @@ def _cuda_total_memory(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).total_memory)
 
 
-def default_chunk_tokens(device: torch.device, vocab: int) -> int:
-    """Tokens per chunk for hidden states on ``device`` at this vocabulary (:func:`chunk_elements_for`)."""
+def default_chunk_elements(device: torch.device) -> int:
+    """Elements of one chunk's logits for tensors on ``device`` (:func:`chunk_elements_for` with the device's
+    memory). The one budget for every chunked log-prob pass: this module's, and the plain path's row chunks
+    (``stalerl.training.actor.token_logprobs``)."""
     device = torch.device(device)
     memory = None
     if device.type == "cuda":
         memory = _cuda_total_memory(device.index if device.index is not None else torch.cuda.current_device())
-    return chunk_tokens_for(vocab, chunk_elements_for(device.type, memory))
+    return chunk_elements_for(device.type, memory)
+
+
+def default_chunk_tokens(device: torch.device, vocab: int) -> int:
+    """Tokens per chunk for hidden states on ``device`` at this vocabulary (:func:`default_chunk_elements`)."""
+    return chunk_tokens_for(vocab, default_chunk_elements(device))
 
 
 def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -76,7 +76,7 @@ def _main(argv: list[str], *, debug: bool = False) -> int:
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
     config_path, overrides, flags = parse_args(argv)
     if flags.get("help"):
-        print(format_help())
+        print(format_help(extra_flags=(DEBUG_FLAG,)))
         print(EXTRA_HELP)
         return 0
     if config_path is not None:

@@ -50,7 +50,9 @@ def candidates(path: str, script: Optional[str] = None) -> list[Path]:
             out.append(d / given.name)
     seen, unique = set(), []
     for p in out:
-        key = str(p.resolve()) if p.is_absolute() or p.exists() else str(p)
+        # Resolved against the current directory, existing or not: "x.yml" and <script dir>/x.yml are one place
+        # when the command runs from the script's folder (issue 28: the "looked in" list named it twice).
+        key = str(p.resolve())
         if key not in seen:
             seen.add(key)
             unique.append(p)

@@ -18,6 +18,8 @@ resumes from its checkpoint) comes with ``interrupted``: ``signal``, ``signum``,
 (the final checkpoint's step, or null). Schema 1 summaries load unchanged. ``warm_start``: ``steps`` done,
 ``final_loss`` and, for an adaptive warm start, ``cap``, ``target_accuracy``, ``accuracy`` (held-out greedy accuracy
 at its last check) and ``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
+``wall_s`` is this session's wall time; ``wall_s_total`` adds every earlier session of the same trial since it last
+started over (a resume after an interruption, an extension of a finished trial: :func:`total_wall_s`).
 """
 
 from __future__ import annotations
@@ -294,6 +296,24 @@ def write_summary(path: os.PathLike, summary: Mapping[str, Any]) -> Path:
     return atomic_write_text(path, json.dumps(summary, indent=1, sort_keys=True) + "\n")
 
 
+def total_wall_s(previous: Optional[Mapping[str, Any]], wall_s: float, recover_mode: str) -> float:
+    """This session's wall time plus the earlier sessions' of the same trial (``previous``: the summary the last
+    session wrote). ``recover.mode=disabled`` starts the trial over (trial_dir sets its state aside), so only this
+    session counts; otherwise the run continued that trial (resumed or extended) and the earlier total is added."""
+    if recover_mode == "disabled" or not previous:
+        return float(wall_s)
+    before = previous.get("wall_s_total", previous.get("wall_s"))
+    return float(wall_s) + (float(before) if _num(before) is not None else 0.0)
+
+
+def _previous_summary(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def write_run_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
                       log=print, extra: Optional[Mapping[str, Any]] = None, strict: bool = False) -> Optional[Path]:
     """Write ``<run_dir>/summary.json``; never raises (a summary must not turn a finished run into a failure),
@@ -305,7 +325,9 @@ def write_run_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[s
     try:
         path = run_dir(cfg) / SUMMARY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_summary(path, {**build_summary(cfg, status=status, wall_s=wall_s, error=error), **(extra or {})})
+        total = total_wall_s(_previous_summary(path), wall_s, cfg.recover.mode)
+        return write_summary(path, {**build_summary(cfg, status=status, wall_s=wall_s, error=error),
+                                    "wall_s_total": round(total, 3), **(extra or {})})
     except Exception as exc:  # noqa: BLE001
         if strict and isinstance(exc, ResourceError):
             raise

@@ -57,6 +57,8 @@ def format_run_summary(row: dict[str, Any], run_dir: Path, *, wall_s: Optional[f
         lines.append(f"     tensorboard  tensorboard --logdir {shlex.quote(str(run_dir / TENSORBOARD_DIR))}")
     if (run_dir / "final_model").is_dir():
         lines.append(f"     final model  {run_dir / 'final_model'}")
+    if (run_dir / "checkpoints").is_dir():  # resumable state (recover.mode auto / resume; trial_dir.CHECKPOINT_DIR)
+        lines.append(f"     checkpoints  {run_dir / 'checkpoints'}")
     if (run_dir / "logs").is_dir():
         lines.append(f"     worker logs  {run_dir / 'logs'}")
     lines.append(f"   plot: stalerl-plot {shlex.quote(str(run_dir))} --metrics reward actor/grad_norm eval/accuracy "

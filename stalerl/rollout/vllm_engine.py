@@ -6,8 +6,8 @@ top-p applied, i.e. the distribution the token was drawn from), and every token 
 weights vLLM actually held while generating it (weights only change between two ``generate`` calls).
 
 Weights: the policy is written once as a Hugging Face directory (``config.json``, safetensors in the engine's dtype,
-the fast tokenizer) that vLLM starts from; every later update is loaded in place, by one of two paths chosen when the
-engine starts (:func:`choose_weight_sync`, named in the log):
+the fast tokenizer) that vLLM starts from; every later update is loaded in place, by one of three paths chosen when
+the engine starts (:func:`choose_weight_sync`, named in the log):
 
 - ``ipc`` (CUDA, the synchronous loop: vLLM shares the trainer's GPU): vLLM's public weight-transfer API
   (``WeightTransferConfig(backend="ipc")``, ``init_weight_transfer_engine`` / ``start_weight_update`` /
@@ -16,11 +16,14 @@ engine starts (:func:`choose_weight_sync`, named in the log):
   by vLLM's worker straight into its own parameters on the same GPU: no host copy. CUDA IPC handles cannot be opened
   in the process that exported them, so on this path vLLM's engine core runs in its own process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=1``; the trainer is a main process, so it may start one).
-- ``reload`` (the CPU build, whose worker has no weight-transfer engine; and asynchronous rollout workers on CUDA,
-  see :func:`choose_weight_sync`): the model runner's ``reload_weights`` through ``collective_rpc`` with a local
-  function (in-process engine), which maps HF names onto vLLM's fused layers.
+- ``nccl`` (CUDA, asynchronous runs: a rollout worker's engine on its own GPU): the same public API with
+  ``WeightTransferConfig(backend="nccl")``; the controller (train rank 0) broadcasts each version from its GPU
+  (stalerl.rollout.vllm_nccl: :meth:`VLLMRolloutEngine.init_weight_transfer` once, :meth:`receive_weights` per
+  version). No host copy of the weights.
+- ``reload`` (only the CPU build, whose worker has no weight-transfer engine): the model runner's ``reload_weights``
+  through ``collective_rpc`` with a local function (in-process engine), which maps HF names onto vLLM's fused layers.
 
-Both end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
+All end in vLLM's layerwise reload, which copies the loaded values into the *original* parameter storage
 (``vllm/model_executor/model_loader/reload/layerwise.py``: ``_copy_and_restore_kernel_tensors``, "preserves cudagraph
 references"), so CUDA graphs captured at start keep reading the current weights: that is what makes
 ``enforce_eager=false`` (the CUDA default) safe with in-place weight sync. The prefix cache is reset after every
@@ -129,7 +132,7 @@ def resolve_max_model_len(option: Optional[int], planned_len: Optional[int]) -> 
     return option if option is not None else planned_len
 
 
-WEIGHT_SYNC_PATHS = ("ipc", "reload")
+WEIGHT_SYNC_PATHS = ("ipc", "nccl", "reload")
 
 
 def choose_weight_sync(*, cpu_build: bool, colocated: bool) -> tuple[str, str]:
@@ -137,17 +140,36 @@ def choose_weight_sync(*, cpu_build: bool, colocated: bool) -> tuple[str, str]:
 
     - CPU build: ``reload`` (the internal ``reload_weights``): the public API's IPC and NCCL backends need CUDA.
     - CUDA, colocated with the trainer (the synchronous loop): ``ipc``, the public API, no host copy.
-    - CUDA, a rollout worker on its own GPU (asynchronous runs): ``reload`` from the host copy the controller shares
-      with every worker. The public NCCL backend would broadcast GPU to GPU, but its transfer is a collective that
-      the trainer would have to join while the worker is between two generations; stalerl does not drive it yet
-      (docs/vllm.md), so this path is said in the log, not chosen silently.
+    - CUDA, a rollout worker on its own GPU (asynchronous runs): ``nccl``, the public API's NCCL backend, broadcast
+      from the controller's GPU (stalerl.rollout.vllm_nccl); no host copy for vLLM (a worker with
+      actor.behavior_logp=recompute also gets the host copy, for its own HF forward only).
     """
     if cpu_build:
         return "reload", "CPU build: vLLM's weight-transfer engines (ipc, nccl) need CUDA"
     if colocated:
         return "ipc", "CUDA, colocated with the trainer: public weight-transfer API, backend=ipc (no host copy)"
-    return "reload", ("CUDA rollout worker on its own GPU: internal reload_weights from the controller's host copy "
-                      "(the public nccl backend is not driven by stalerl yet)")
+    return "nccl", ("CUDA rollout worker on its own GPU: public weight-transfer API, backend=nccl, broadcast from the "
+                    "trainer's GPU (no host copy)")
+
+
+def worker_needs_host_copy(cfg: Any) -> bool:
+    """A rollout worker's HF model computes behaviour log-probs at the generating weights (recompute), so it needs
+    each version as a state dict besides what its vLLM engine receives."""
+    return cfg.actor.behavior_logp == "recompute"
+
+
+def host_copy_needed(worker_path: Optional[str], cfg: Any) -> bool:
+    """Whether the controller publishes each version as a state dict (shared memory / disk): for every worker path
+    but nccl (``worker_path`` None: HF rollout workers), and on nccl for a recompute worker's HF model."""
+    return worker_path != "nccl" or worker_needs_host_copy(cfg)
+
+
+def rollout_worker_weight_sync() -> tuple[str, str]:
+    """The path every vLLM rollout worker chooses at its start (the controller asks the same question to set up its
+    side before any weights are sent; same machine, same vLLM build, same answer). Without a CUDA device only the
+    CPU build can run, so vLLM is not imported into the controller there."""
+    cpu_build = not torch.cuda.is_available() or is_cpu_build()
+    return choose_weight_sync(cpu_build=cpu_build, colocated=False)
 
 
 def engine_save_dtype(dtype: str) -> Optional[torch.dtype]:
@@ -308,10 +330,11 @@ class VLLMRolloutEngine:
         max_model_len = resolve_max_model_len(o.max_model_len, self.max_seq_len)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
-        if self.weight_sync == "ipc":
+        if self.weight_sync in ("ipc", "nccl"):
             from vllm.config import WeightTransferConfig
 
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_sync)
+        if self.weight_sync == "ipc":
             # CUDA IPC handles open only in another process: the engine core gets its own (see module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         kv_gb = o.kv_cache_memory_gb
@@ -375,8 +398,31 @@ class VLLMRolloutEngine:
         self._install(state_dict)
         self.version = int(version)
 
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """nccl: join the trainer's weight-transfer group (stalerl.rollout.vllm_nccl.worker_init_info); blocks
+        until the trainer's rank has joined too."""
+        if self.weight_sync != "nccl":
+            raise RuntimeError(f"init_weight_transfer on an engine whose weight sync is {self.weight_sync!r}")
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+    def receive_weights(self, update_info: dict[str, Any], version: int) -> None:
+        """nccl: receive one complete weight set broadcast by the trainer (update_info: what it sends, in order),
+        then its version, as load_weights does."""
+        if self.weight_sync != "nccl":
+            raise RuntimeError(f"receive_weights on an engine whose weight sync is {self.weight_sync!r}")
+        start = time.perf_counter()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": dict(update_info)})
+        self.llm.finish_weight_update(str(int(version)))
+        self.llm.reset_prefix_cache()  # as in _install: no KV from the old weights
+        self.last_sync_seconds = time.perf_counter() - start
+        self.sync_seconds_total += self.last_sync_seconds
+        self.version = int(version)
+
     def _install(self, state_dict: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
+        if self.weight_sync == "nccl":
+            raise RuntimeError("this engine receives its weights over NCCL (receive_weights), not as a state dict")
         if self.weight_sync == "ipc":
             # The sender's source is the trainer's module itself (its parameters, on the GPU they live on); the
             # state dict passed here is that module's, so nothing is copied to build it.

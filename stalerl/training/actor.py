@@ -19,24 +19,24 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
-from stalerl.core.chunked_logprob import head_returns_token_logprobs, reproduces_plain_logprobs
+from stalerl.core.chunked_logprob import default_chunk_elements, head_returns_token_logprobs, reproduces_plain_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
 from stalerl.training import fsdp
 
-# Elements of a (rows, tokens, vocab) logits block turned into log-probs at once: bounds the float32 temporaries of
-# the no-grad passes (behaviour recompute, M2PO's selection pass) to ~64 MB whatever the micro-batch size.
-_LOGP_CHUNK_ELEMENTS = 1 << 24
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                   chunk_elements: Optional[int] = None) -> torch.Tensor:
     """log softmax(logits / temperature)[ids] in float32, shape ``ids.shape``, without materialising the full
-    (N, T, V) log_softmax: ``logit[id] - logsumexp(logits)``, over row chunks.
+    (N, T, V) log_softmax: ``logit[id] - logsumexp(logits)``, over row chunks of at most ``chunk_elements`` logits
+    (default: the device's budget, :func:`stalerl.core.chunked_logprob.default_chunk_elements`, the same one the
+    chunked head uses: 2^22 on a CPU, a fraction of the memory on CUDA, so a GPU's no-grad passes are not cut into
+    rows sized for a CPU cache).
 
     Under autograd the chunks still save their inputs for the backward pass (the softmax gradient needs them); in
-    no-grad passes only one chunk's temporaries exist at a time."""
+    no-grad passes (behaviour recompute, M2PO's selection pass) only one chunk's temporaries exist at a time."""
     n, t, v = logits.shape
-    rows = max(1, _LOGP_CHUNK_ELEMENTS // max(1, t * v))
+    budget = chunk_elements if chunk_elements is not None else default_chunk_elements(logits.device)
+    rows = max(1, budget // max(1, t * v))
     parts = []
     for start in range(0, n, rows):
         x = logits[start:start + rows].float()

@@ -104,7 +104,15 @@ class AsyncTrainer(Trainer):
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
         self.hosting = make_hosting(cfg, self.run_dir / "logs")
-        if cfg.rollout.weight_sync == "shared_memory" and hasattr(self.hosting, "check_shared_memory"):
+        # vLLM rollout workers' weight-sync path (the one their engines choose at start), None for HF workers
+        from stalerl.rollout.vllm_engine import host_copy_needed, rollout_worker_weight_sync
+
+        self.worker_sync: Optional[tuple[str, str]] = None
+        if cfg.rollout.backend.split(":", 1)[0] == "vllm":
+            self.worker_sync = rollout_worker_weight_sync()
+        self.host_copy = host_copy_needed(self.worker_sync and self.worker_sync[0], cfg)
+        if (self.host_copy and cfg.rollout.weight_sync == "shared_memory"
+                and hasattr(self.hosting, "check_shared_memory")):  # nccl alone needs no /dev/shm
             self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
         self.results = self.hosting.results
         self.rollout_workers: list[WorkerProcess] = []
@@ -130,6 +138,7 @@ class AsyncTrainer(Trainer):
         self.eval_sent: dict[int, tuple[str, float]] = {}  # version -> (worker role, time sent)
         self.eval_done: dict[int, dict[str, Any]] = {}
         self._probe_actor = None  # fsdp:dY: an unsharded actor on rank 0's copy for the mismatch probe
+        self.nccl_senders: dict[str, Any] = {}  # rollout role -> NCCLWeightSender (vLLM workers, weight sync nccl)
 
     def _rollout_in_workers(self) -> bool:
         return True  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
@@ -157,6 +166,28 @@ class AsyncTrainer(Trainer):
             self.rollout_workers.append(w)
             self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
+        self._connect_nccl_senders()
+
+    def _connect_nccl_senders(self) -> None:
+        """vLLM rollout workers on their own GPUs take the nccl path (rollout_worker_weight_sync, the same choice
+        their engines made at start): each joins a group with this process as rank 0, which then broadcasts every
+        version from its GPU (stalerl.rollout.vllm_nccl) instead of sharing a host copy."""
+        if self.worker_sync is None:
+            return
+        path, why = self.worker_sync
+        self.log(f"vLLM weight sync: {path} ({why})")
+        if path != "nccl":
+            return
+        from stalerl.rollout.vllm_nccl import NCCLWeightSender, worker_init_info
+
+        device = next(self.model.parameters()).device
+        for w in self.rollout_workers:
+            info = worker_init_info(self.hosting.host_address(), free_port(),
+                                    self.cfg.rollout.vllm.tensor_parallel_size or 1)
+            sender = NCCLWeightSender(info, device)
+            w.call("init_weight_transfer", info)  # the worker joins while this process joins as rank 0
+            sender.connect()
+            self.nccl_senders[w.role] = sender
 
     def _local_gpu_plan(self, res) -> dict[str, int]:
         """Local scheduler on CUDA: rank 0 (this process) keeps GPU 0, train ranks 1..Y-1 and the X rollout workers
@@ -174,6 +205,8 @@ class AsyncTrainer(Trainer):
         self.stop_event.set()
         if self.dispatcher is not None:
             self.dispatcher.join(5)
+        for sender in self.nccl_senders.values():
+            sender.close(timeout=1.0)
         for w in self.rollout_workers + self.train_workers:
             w.stop(timeout=1.0 if self.interrupted else 10.0)  # interrupted: in-flight rollouts are redone on resume
         if torch.distributed.is_initialized():
@@ -311,6 +344,8 @@ class AsyncTrainer(Trainer):
                     for _, state in out["results"]:  # reward/generated: at generation end, not consumption
                         self.counters["gen_reward_sum"] += float(state["rewards"].sum())
                         self.counters["gen_reward_n"] += len(state["rewards"])
+                elif isinstance(out, dict) and "weight_transfer" in out:  # joined the nccl group: nothing to do
+                    pass
                 elif isinstance(out, dict) and "eval" in out:  # an evaluation (see evaluate)
                     self.eval_done[out["eval"]["version"]] = out["eval"]
                 else:  # a weight load
@@ -326,23 +361,42 @@ class AsyncTrainer(Trainer):
         """Make the current weights (version = self.step) the ones every later task is generated with.
 
         Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
-        so a busy worker never accumulates a backlog of weight sets, file handles or files."""
+        so a busy worker never accumulates a backlog of weight sets, file handles or files. vLLM workers on nccl get
+        a snapshot on this GPU, broadcast when sent (plus the host copy only when their HF model recomputes)."""
         start = time.perf_counter()
         version = self.step
-        if self.cfg.rollout.weight_sync == "shared_memory":
-            self.latest_weights = (version, "load_weights", self.hosting.share(self.model.state_dict()))
+        host = self._host_copy(version) if self.host_copy else None
+        if self.nccl_senders:
+            from stalerl.rollout.vllm_engine import engine_save_dtype, resolve_dtype
+            from stalerl.rollout.vllm_nccl import snapshot_parameters, update_info_for
+
+            # in the engine's dtype (what its start-up checkpoint holds): a bf16 engine gets half the bytes
+            engine_dtype = resolve_dtype(self.cfg.rollout.vllm.dtype, self.cfg.actor.dtype, cpu_build=False)
+            params = snapshot_parameters(self.model, engine_save_dtype(engine_dtype))
+            self.latest_weights = (version, "receive_weights", (update_info_for(params), params, host))
         else:
-            path = self.run_dir / "weights" / f"v{version}.pt"
-            atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
-            self.weight_files[version] = path
-            self.latest_weights = (version, "load_weights_from_file", str(path))
-            self._delete_unneeded_weight_files()
+            self.latest_weights = (version, *host)
+        self._delete_unneeded_weight_files()
         return time.perf_counter() - start
+
+    def _host_copy(self, version: int) -> tuple[str, Any]:
+        """The weights as a state dict a worker can load: (worker method, shared state or file path)."""
+        if self.cfg.rollout.weight_sync == "shared_memory":
+            return "load_weights", self.hosting.share(self.model.state_dict())
+        path = self.run_dir / "weights" / f"v{version}.pt"
+        atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
+        self.weight_files[version] = path
+        return "load_weights_from_file", str(path)
 
     def _send_latest_weights(self, worker) -> None:
         version, method, payload = self.latest_weights
         if self.sent_version.get(worker.role, -1) < version:
-            worker.call(method, version, payload)
+            if method == "receive_weights":  # nccl: the receive command first (ordered before any later task)
+                update_info, params, host = payload
+                worker.call(method, version, update_info, host)
+                self.nccl_senders[worker.role].submit(version, params)
+            else:
+                worker.call(method, version, payload)
             self.sent_version[worker.role] = version
 
     def _delete_unneeded_weight_files(self) -> None:

@@ -3,6 +3,7 @@ user errors with exit code 2, the trial-directory rules, and the end-of-run summ
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,10 @@ def test_trial_directory_reruns_are_refused_extended_or_started_over(tmp_path):
     assert "== run finished" in first.stdout and "steps 2" in first.stdout
     assert str(run / "metrics.jsonl") in first.stdout and "stalerl-plot" in first.stdout
     assert (run / "checkpoints" / "step_2").is_dir()  # the last step is checkpointed even off the frequency
+    assert f"checkpoints  {run / 'checkpoints'}" in first.stdout  # the summary block lists them (issue 28)
+    first_summary = json.loads((run / "summary.json").read_text())
+    assert first_summary["wall_s"] > 0
+    assert first_summary["wall_s_total"] == pytest.approx(first_summary["wall_s"], rel=1e-3)
 
     again = run_cli(base)
     assert again.returncode == 2 and "is finished (step 2 of 2)" in again.stderr
@@ -122,10 +127,16 @@ def test_trial_directory_reruns_are_refused_extended_or_started_over(tmp_path):
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "extending finished trial" in longer.stdout and "resumed from checkpoint at step 2" in longer.stdout
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    # summary.json after the extension: wall_s is the extension's session, wall_s_total both sessions (issue 28);
+    # the refused reruns in between trained nothing and wrote no summary
+    extended = json.loads((run / "summary.json").read_text())
+    assert extended["wall_s_total"] == pytest.approx(first_summary["wall_s_total"] + extended["wall_s"], rel=1e-3)
 
     over = run_cli([*base, "recover.mode=disabled", "rollout.fixed_staleness=1"])
     assert over.returncode == 0, over.stderr[-3000:]
     assert list(run.glob("checkpoints.*")) and "previous checkpoints moved" in over.stdout
+    restarted = json.loads((run / "summary.json").read_text())
+    assert restarted["wall_s_total"] == pytest.approx(restarted["wall_s"], rel=1e-3)  # started over: this session
 
 
 @pytest.mark.slow

@@ -49,6 +49,13 @@ def test_gpu_check_cpu_dry_mode_reports_the_split_and_runs_the_smoke(tmp_path):
     # behavior_logp=rollout: the engine mismatch on step 0's fresh data (logged in step 1's row), and the sync path
     assert data["mismatch_step0"]["mismatch/tokens"] > 0 and data["mismatch_step0"]["mismatch/m2"] >= 0
     assert data["weight_sync_path"].startswith("none: the HF engine")
+    # the measurements (scripts/gpu_check_bench.py): chunked vs plain log-probs at the CPU's chunk; the vLLM parts
+    # say why they did not run (no vLLM in this venv; nccl needs CUDA)
+    lp = data["bench"]["logprob"]
+    assert lp["run"] and lp["chunk_tokens"] == 27 and lp["chunked_s"] > 0 and lp["plain_s"] > 0
+    assert not data["bench"]["vllm"]["run"] and data["bench"]["vllm"]["why"]
+    assert not data["bench"]["nccl"]["run"] and "CUDA" in data["bench"]["nccl"]["why"]
+    assert "log-probs fwd+bwd, 64 tokens" in out and "vllm: not run: " in out and "nccl: not run: " in out
     for case in ("single-gpu-torch-d1", "async-torch-d2", "async-fsdp-d2"):
         assert f"PASS {case}" in out, out[-4000:]
     assert "real scale PASS, smoke runs PASS" in out

@@ -249,6 +249,22 @@ def test_choice_errors_list_allowed_values_and_suggest():
     assert "m2po" in msg and "vanilla" in msg and "no_trust_region" in msg
 
 
+@pytest.mark.parametrize("override, suggested, fix", [
+    ("actor.loss=m2p0", "m2po", "Fix: set actor.loss=m2po,"),  # registry losses (schema.py)
+    ("actor.loss_agg_mode=token-men", "token-mean", "Fix: set actor.loss_agg_mode=token-mean."),
+    ("scheduler.type=slurn", "slurm", "Fix: set scheduler.type=slurm."),  # field choices (checks.py)
+])
+def test_fix_line_names_the_suggested_value(override, suggested, fix):
+    # issue 28: "did you mean 'm2po'?" followed by "Fix: set actor.loss=fipo" contradicted itself
+    msg = error_of([override])
+    assert f"did you mean {suggested!r}?" in msg and fix in msg
+
+
+def test_fix_line_without_a_suggestion_names_the_first_choice():
+    msg = error_of(["actor.loss=zzzzzz"])
+    assert "did you mean" not in msg and "Fix: set actor.loss=" in msg
+
+
 def test_registered_losses_accepted():
     for loss in ("m2po", "vanilla", "no_trust_region"):
         assert load_config([f"actor.loss={loss}"]).actor.loss == loss

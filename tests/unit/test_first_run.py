@@ -56,6 +56,16 @@ def test_missing_config_lists_where_it_looked_and_the_shipped_configs(tmp_path, 
     assert "gsm8k_m2pp.yaml" in msg and "gsm8k_m2po_cpu.yaml" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("name", ["gsm8k_m2po.yml", "gsm8k_m2pp.yaml"])
+def test_looked_in_list_names_each_place_once_from_the_scripts_folder(name, monkeypatch):
+    # issue 28: run from examples/math, "x.yml" and examples/math/x.yml are one place, listed twice before
+    monkeypatch.chdir(EXAMPLES)
+    with pytest.raises(UserError) as e:
+        resolve_config_path(name, script="gsm8k_rl.py")
+    looked = str(e.value).split("(looked in: ", 1)[1].split(")", 1)[0].split(", ")
+    assert name in looked and len(looked) == len(set(looked)), looked
+
+
 # ------------------------------------------------------------------------------------------------ trial directory
 def _cfg(tmp_path, *extra):
     return load_config(["--config", str(EXAMPLES / "gsm8k_m2po_cpu.yaml"), f"cluster.fileroot={tmp_path}",
@@ -193,6 +203,9 @@ def test_summary_block_has_the_figures_and_the_output_paths(tmp_path):
     assert "masked fraction 0.012" in text and "clip fraction" not in text
     for part in ("metrics.jsonl", "tensorboard --logdir", "final_model", "stalerl-plot"):
         assert part in text
+    assert "checkpoints" not in text  # none written (recover.mode=disabled)
+    (tmp_path / "checkpoints").mkdir()
+    assert f"checkpoints  {tmp_path / 'checkpoints'}" in format_run_summary(row, tmp_path)
     # An async run whose rollout workers were done before the last 10% of steps: says why there is no number.
     for r in records[-30:]:
         del r["reward/generated"]
@@ -247,3 +260,35 @@ def test_local_sweep_points_count_start_up_from_their_own_launch(monkeypatch):
     monkeypatch.setattr(cli.subprocess, "run", fake_run)
     assert cli._run_local(None, [("a", ["seed=1"]), ("b", ["seed=2"])]) == ["ok", "ok"]
     assert len(seen) == 2 and all(0 <= called - launched < 5 for launched, called in seen)
+
+
+# ------------------------------------------------------------------------------------------------ issue 28 small things
+def test_usage_line_names_debug(capsys):
+    from stalerl.launch.cli import main
+
+    assert main(["--help"]) == 0
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.startswith("usage: ") and "[--debug]" in usage and "[--dry-run]" in usage
+
+
+def test_summary_wall_s_total_covers_every_session_of_a_continued_trial(tmp_path):
+    from stalerl.config import run_dir
+    from stalerl.results.run_summary import read_summary, total_wall_s, write_run_summary
+
+    cfg = _cfg(tmp_path)  # recover.mode=auto: a later session continues the trial (resume or extension)
+    write_run_summary(cfg, status="finished", wall_s=100.0)
+    first = read_summary(run_dir(cfg))
+    assert first["wall_s"] == 100.0 and first["wall_s_total"] == 100.0
+    write_run_summary(cfg, status="finished", wall_s=30.0)  # the extension's session
+    second = read_summary(run_dir(cfg))
+    assert second["wall_s"] == 30.0 and second["wall_s_total"] == 130.0
+    write_run_summary(cfg, status="finished", wall_s=5.0)
+    assert read_summary(run_dir(cfg))["wall_s_total"] == 135.0
+    # recover.mode=disabled starts the trial over: only this session counts
+    fresh = load_config(["--config", str(EXAMPLES / "gsm8k_m2po_cpu.yaml"), f"cluster.fileroot={tmp_path}",
+                         "recover.mode=disabled"])
+    write_run_summary(fresh, status="finished", wall_s=7.0)
+    assert read_summary(run_dir(fresh))["wall_s_total"] == 7.0
+    # a summary from before the field: its wall_s is the earlier total
+    assert total_wall_s({"wall_s": 50.0}, 10.0, "auto") == 60.0
+    assert total_wall_s(None, 10.0, "resume") == 10.0

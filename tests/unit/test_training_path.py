@@ -200,16 +200,15 @@ def test_dropout_off_micro_batch_split_does_not_change_the_update(dropout_policy
 # ------------------------------------------------------------------------------------------------ O(tokens) log-probs
 
 
-@pytest.mark.parametrize("chunk", [1 << 24, 7, 1])
+@pytest.mark.parametrize("chunk", [None, 1 << 24, 7, 1])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_token_logprobs_equal_the_full_log_softmax(monkeypatch, chunk, temperature):
+def test_token_logprobs_equal_the_full_log_softmax(chunk, temperature):
     import stalerl.training.actor as actor_mod
 
-    monkeypatch.setattr(actor_mod, "_LOGP_CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(5, 4, 33, generator=g) * 3).requires_grad_()
     ids = torch.randint(0, 33, (5, 4), generator=g)
-    fast = actor_mod.token_logprobs(logits, ids, temperature)
+    fast = actor_mod.token_logprobs(logits, ids, temperature, chunk)
     slow = torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(fast.double(), slow, rtol=0, atol=1e-5)
     w = torch.randn(5, 4, generator=g, dtype=torch.float64)
@@ -218,6 +217,24 @@ def test_token_logprobs_equal_the_full_log_softmax(monkeypatch, chunk, temperatu
     torch.testing.assert_close(g_fast.double(), g_slow.double(), rtol=1e-4, atol=1e-6)
     bf = actor_mod.token_logprobs(logits.detach().bfloat16(), ids, temperature)
     assert bf.dtype == torch.float32
+
+
+def test_token_logprobs_rows_per_chunk_follow_the_device_budget(monkeypatch):
+    """The plain path's row chunks use chunked_logprob's one device rule (no second constant): 2^22 logits on a CPU;
+    on CUDA the device's budget (memory stubbed, no GPU here: a meta tensor stands in for the device's logits)."""
+    import stalerl.core.chunked_logprob as cl
+    import stalerl.training.actor as actor_mod
+
+    assert cl.default_chunk_elements(torch.device("cpu")) == cl.CHUNK_ELEMENTS
+    monkeypatch.setattr(cl, "_cuda_total_memory", lambda index: 80 * 2**30)
+    assert cl.default_chunk_elements(torch.device("cuda", 0)) == cl.chunk_elements_for("cuda", 80 * 2**30) == 1 << 28
+    seen, rows = [], []
+    monkeypatch.setattr(actor_mod, "default_chunk_elements", lambda d: seen.append(d.type) or 3 * 4 * 33)
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda parts: rows.extend(p.shape[0] for p in parts) or real_cat(parts))
+    logits, ids = torch.randn(7, 4, 33), torch.randint(0, 33, (7, 4))
+    actor_mod.token_logprobs(logits, ids)
+    assert seen == ["cpu"] and rows == [3, 3, 1]  # 3 rows of 4 x 33 logits per chunk
 
 
 def test_recorder_gathers_each_sampled_token_under_the_processed_distribution():

@@ -153,15 +153,29 @@ def test_planned_length_covers_training_and_evaluation_prompts(train_len, valid_
     assert planned_seq_len(cfg, 32_768) == expected
 
 
-def test_weight_sync_path_is_public_ipc_colocated_on_cuda_and_the_internal_reload_on_cpu():
+def test_weight_sync_path_is_public_ipc_colocated_nccl_on_own_gpus_and_the_internal_reload_on_cpu():
     assert choose_weight_sync(cpu_build=False, colocated=True)[0] == "ipc"
-    assert choose_weight_sync(cpu_build=True, colocated=True)[0] == "reload"
+    assert choose_weight_sync(cpu_build=False, colocated=False)[0] == "nccl"  # async rollout worker on its own GPU
+    assert choose_weight_sync(cpu_build=True, colocated=True)[0] == "reload"  # the internal API: CPU only
     assert choose_weight_sync(cpu_build=True, colocated=False)[0] == "reload"
-    path, why = choose_weight_sync(cpu_build=False, colocated=False)
-    assert path == "reload" and "nccl" in why  # said, not silent: the public NCCL path is not driven yet
     for cpu in (True, False):
-        for colocated in (True, False):
-            assert choose_weight_sync(cpu_build=cpu, colocated=colocated)[1]  # every choice carries its reason
+        for colocated in (True, False):  # every choice carries its reason (named in the log)
+            assert choose_weight_sync(cpu_build=cpu, colocated=colocated)[1]
+
+
+@pytest.mark.parametrize("cpu, expected", [(False, "nccl"), (True, "reload")])
+def test_rollout_workers_path_follows_the_build(monkeypatch, cpu, expected):
+    """The controller asks the same question as each worker's engine (stalerl.training.async_trainer sets up its
+    side of nccl from this answer); the vLLM build is stubbed (no vLLM here)."""
+    import stalerl.rollout.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "is_cpu_build", lambda: cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ve.rollout_worker_weight_sync()[0] == expected
+    # no CUDA device: the CPU build's answer, without importing vLLM into the controller
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ve, "is_cpu_build", lambda: pytest.fail("vLLM imported without a GPU"))
+    assert ve.rollout_worker_weight_sync()[0] == "reload"
 
 
 def test_startup_checkpoint_is_written_in_the_engine_dtype(tmp_path):

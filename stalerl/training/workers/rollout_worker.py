@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -81,6 +81,25 @@ class RolloutWorker:
     def load_weights_from_file(self, version: int, path: str) -> dict[str, float]:
         start = time.perf_counter()
         self._install(torch.load(path, map_location="cpu", weights_only=True), version)
+        return {"version": version, "seconds": time.perf_counter() - start}
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """vLLM with weight sync nccl: join the controller's weight-transfer group (it joins as rank 0 meanwhile)."""
+        self.engine.init_weight_transfer(init_info)
+        return {"weight_transfer": "nccl"}
+
+    def receive_weights(self, version: int, update_info: dict[str, Any],
+                        host: Optional[tuple[str, Any]] = None) -> dict[str, float]:
+        """vLLM with weight sync nccl: receive the version the controller broadcasts (queued like load_weights,
+        so it is served between two generations and before the tasks admitted after it). ``host``: the same
+        version as a state dict (load_weights' or load_weights_from_file's payload) for this process's HF model,
+        sent only when it recomputes behaviour log-probs."""
+        start = time.perf_counter()
+        if host is not None:
+            method, payload = host
+            state = payload if method == "load_weights" else torch.load(payload, map_location="cpu", weights_only=True)
+            self.model.load_state_dict(state)
+        self.engine.receive_weights(update_info, version)
         return {"version": version, "seconds": time.perf_counter() - start}
 
     def _install(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
