@@ -25,8 +25,9 @@ from m2po_reference import reference_m2po  # noqa: E402
 
 from _areal_two_ranks import rank_rows, run_rank  # noqa: E402
 from _varlen_attention import varlen_sdpa_installed  # noqa: E402
-from recipe.areal.packed import KEEP_MASK_KEY  # noqa: E402
-from test_areal_actor import FIPO_C, N_SEQ, TAU, _batch, _reference_step, _update  # noqa: E402
+from recipe.areal.packed import KEEP_MASK_KEY, select_mini_batch  # noqa: E402
+from test_areal_actor import (FIPO_C, N_SEQ, TAU, _actor_config, _batch, _hf_logprobs, _reference_step,  # noqa: E402
+                              _update)
 
 pytestmark = pytest.mark.areal
 
@@ -97,14 +98,14 @@ def test_two_areal_ranks_with_half_the_mini_batch_each_make_the_whole_mini_batch
                                    atol=1e-7, msg=lambda m: f"{name}: {m}")
 
     stats = ranks[0]["stats"]
+    # each rank's half alone, with the current log-probs (the weights before the step), for what a per-rank decision
+    # would have been
+    _, current = _hf_logprobs(model_dir, whole["input_ids"], whole["attention_mask"])
+    halves = [rank_rows({**whole, "current": current}, r, WORLD) for r in range(WORLD)]
     if loss == "m2po":
         assert torch.equal(whole[KEEP_MASK_KEY][mask], literal_keep[mask])
         assert (~literal_keep[mask]).any(), "the batch must be stale enough for Algorithm 1 to mask something"
         # the selection is not each rank's own: Algorithm 1 on a half alone keeps other tokens
-        from test_areal_actor import _hf_logprobs
-
-        _, current = _hf_logprobs(model_dir, whole["input_ids"], whole["attention_mask"])
-        halves = [rank_rows({**whole, "current": current}, r, WORLD) for r in range(WORLD)]
         local = torch.cat([_literal_keep(h["current"], h) for h in halves])
         assert not torch.equal(local[mask], literal_keep[mask]), "the ranks' own selections must differ from one"
         n_masked = int((~literal_keep[mask]).sum())
@@ -118,13 +119,8 @@ def test_two_areal_ranks_with_half_the_mini_batch_each_make_the_whole_mini_batch
             assert stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         assert stats["fipo/num_sequences"] == N_SEQ
         # the pooling matters: each half alone would scale its losses by another valid / kept ratio
-        from recipe.areal.packed import select_mini_batch
-        from test_areal_actor import _actor_config, _hf_logprobs
-
-        _, current = _hf_logprobs(model_dir, whole["input_ids"], whole["attention_mask"])
         config = _actor_config(model_dir, loss, 1, **extra)
         pooled = select_mini_batch(loss, whole, current, config)
         assert (pooled.num_valid_tokens, pooled.num_kept_tokens) == (int(mask.sum()), stats["fipo/num_kept_tokens"])
-        local = [select_mini_batch(loss, h, h["current"], config).step_scale
-                 for h in (rank_rows({**whole, "current": current}, r, WORLD) for r in range(WORLD))]
+        local = [select_mini_batch(loss, h, h["current"], config).step_scale for h in halves]
         assert local[0] != pytest.approx(local[1]), "the halves must drop different shares of their tokens"
