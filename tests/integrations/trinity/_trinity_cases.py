@@ -58,6 +58,39 @@ def mini_batch(seed: int, n_seq: int = 8, max_prompt: int = 5, max_response: int
     }
 
 
+# Trinity's own KL and entropy terms (algorithm.kl_loss_fn / entropy_loss_fn), non-zero, beside our losses.
+KL_COEF, ENTROPY_COEF = 0.3, 0.05
+KL_ENTROPY = {"kl_loss_fn": "k3", "kl_loss_fn_args": {"kl_coef": KL_COEF}, "entropy_loss_fn": "default",
+              "entropy_loss_fn_args": {"entropy_coef": ENTROPY_COEF}}
+
+
+#: the two-rank KL run uses mini_batch(seed + this): its halves hold 32 and 20 valid tokens (seed 0's: 25 and 25)
+KL_DP_SEED_OFFSET = 1
+
+
+def with_reference_policy(rows: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``rows`` with verl's ``ref_log_prob`` (the reference model's log-probs): the current ones plus noise."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    ref = (rows["table"] + torch.randn(rows["table"].shape, generator=gen) * 0.4) * rows["response_mask"]
+    return {**rows, "ref_log_prob": ref}
+
+
+def entropy_table(seed: int, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The stand-in model's per-token entropy of the response tokens (indexed by seq_id like ``table``)."""
+    gen = torch.Generator().manual_seed(seed + 2000)
+    return torch.rand(rows["table"].shape, generator=gen) * 2.0
+
+
+def kl_entropy_reference(rows: dict[str, torch.Tensor], log_prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """KL_COEF x the token mean of k3 = exp(ref - logp) - 1 - (ref - logp) minus ENTROPY_COEF x the token mean of the
+    entropy, over the valid tokens of ``rows`` (written out here, not Trinity's code)."""
+    mask = rows["response_mask"].bool()
+    log_r = rows["ref_log_prob"] - log_prob
+    k3 = log_r.exp() - 1 - log_r
+    n = int(mask.sum())
+    return KL_COEF * k3[mask].sum() / n - ENTROPY_COEF * entropy[mask].sum() / n
+
+
 def registry_loss(name: str, rows: dict[str, torch.Tensor], log_prob: torch.Tensor, *,
                    num_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
     from recipe.optimizer_batch import with_global_batch_info
@@ -114,9 +147,10 @@ def torch_padding_kernels():
         attention_utils._get_attention_functions = original
 
 
-def stand_in_engine(table: torch.Tensor, seen: list):
+def stand_in_engine(table: torch.Tensor, seen: list, entropy: Optional[torch.Tensor] = None):
     """verl's FSDPEngine with its own forward_backward_batch; only the model forward is replaced (see the module
-    docstring): it writes ``table[seq_id]`` at the response positions of verl's packed layout."""
+    docstring): it writes ``table[seq_id]`` at the response positions of verl's packed layout (and ``entropy[seq_id]``
+    as the model's per-token entropy, when given)."""
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     class TableEngine(FSDPEngine):
@@ -129,15 +163,19 @@ def stand_in_engine(table: torch.Tensor, seen: list):
             mask = micro_batch["attention_mask"]
             prompt_lens = mask[:, :prompt_width].sum(dim=1).tolist()
             response_lens = mask[:, prompt_width:].sum(dim=1).tolist()
-            pieces = []
-            for sid, p, r in zip(micro_batch["seq_id"].tolist(), prompt_lens, response_lens):
-                before = torch.zeros(p - 1)
-                after = torch.zeros(1)
-                pieces.append(torch.cat([before, table[sid, :r], after]))  # log-prob of token t+1 sits at t
-            lengths = torch.tensor([len(x) for x in pieces])
-            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-            log_probs = torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets=offsets)
-            loss, metrics = loss_function(model_output={"log_probs": log_probs}, data=micro_batch,
+            ids = micro_batch["seq_id"].tolist()
+
+            def packed(values: torch.Tensor) -> torch.Tensor:  # the value for token t+1 sits at t
+                pieces = [torch.cat([torch.zeros(p - 1), values[sid, :r], torch.zeros(1)])
+                          for sid, p, r in zip(ids, prompt_lens, response_lens)]
+                lengths = torch.tensor([len(x) for x in pieces])
+                offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+                return torch.nested.nested_tensor_from_jagged(torch.cat(pieces), offsets=offsets)
+
+            log_probs = packed(table)
+            output = {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs,
+                                                                        "entropy": packed(entropy)}
+            loss, metrics = loss_function(model_output=output, data=micro_batch,
                                           dp_group=self.get_data_parallel_group())
             seen.append({"seq_id": micro_batch["seq_id"].tolist(), "batch_num_tokens": micro_batch["batch_num_tokens"],
                          "dp_size": micro_batch["dp_size"], "loss": loss.detach(), "metrics": metrics})
@@ -147,16 +185,19 @@ def stand_in_engine(table: torch.Tensor, seen: list):
 
 
 def run_engine(name: str, rows: dict[str, torch.Tensor], micro_batching: dict[str, Any],
-               args: Optional[dict] = None, table: Optional[torch.Tensor] = None):
+               args: Optional[dict] = None, table: Optional[torch.Tensor] = None,
+               algorithm: Optional[dict] = None, entropy: Optional[torch.Tensor] = None):
     """Trinity's _update_actor layout (DataProto -> TensorDict -> no padding) through verl's forward_backward_batch
-    with Trinity's TrinityPolicyLoss built from an AlgorithmConfig. Returns (table gradient, per-micro-batch log)."""
+    with Trinity's TrinityPolicyLoss built from an AlgorithmConfig (``algorithm``: more of its keys, e.g. the KL and
+    entropy terms). Returns (table gradient, per-micro-batch log); ``entropy`` (the stand-in model's per-token entropy,
+    a leaf the caller made) gets its gradient in place."""
     import ray.cloudpickle
     from trinity.trainer.verl.losses import build_trinity_loss
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    algo = validated_algorithm(PATHS[name], dict(ARGS[name] if args is None else args))
+    algo = validated_algorithm(PATHS[name], dict(ARGS[name] if args is None else args), **(algorithm or {}))
     loss_fn = build_trinity_loss(algo)
 
     loss_fn = pickle.loads(ray.cloudpickle.dumps(loss_fn))  # set_loss_fn ships it to the workers through Ray
@@ -166,7 +207,7 @@ def run_engine(name: str, rows: dict[str, torch.Tensor], micro_batching: dict[st
     data = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(data, calculate_entropy=False, global_batch_size=len(rows["seq_id"]), **micro_batching)
     seen: list = []
-    stand_in_engine(table, seen).forward_backward_batch(data, loss_function=loss_fn)
+    stand_in_engine(table, seen, entropy).forward_backward_batch(data, loss_function=loss_fn)
     return table.grad, seen
 
 
@@ -202,6 +243,15 @@ def dp_rank(rank: int, world: int, store: str, out_dir: str, seed: int) -> None:
                     results[label] = {"error": str(err)}
                 else:
                     results[label] = {"grad": grad, "seen": seen}
+            # Trinity's KL and entropy terms beside M2PO (the default scope, one micro-batch per rank), on a
+            # mini-batch whose halves hold different numbers of tokens
+            kl_seed = seed + KL_DP_SEED_OFFSET
+            kl_rows = with_reference_policy(mini_batch(kl_seed), kl_seed)
+            mine_kl = {k: v[rank * share:(rank + 1) * share] for k, v in kl_rows.items() if k != "table"}
+            entropy = entropy_table(kl_seed, kl_rows).requires_grad_(True)
+            grad, seen = run_engine("m2po", mine_kl, DP_RUNS[0][3], args=DP_RUNS[0][2], table=kl_rows["table"],
+                                    algorithm=KL_ENTROPY, entropy=entropy)
+            results["m2po_kl_entropy"] = {"grad": grad, "seen": seen, "entropy_grad": entropy.grad}
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

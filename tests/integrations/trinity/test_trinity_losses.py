@@ -368,6 +368,54 @@ def test_recomputed_old_log_probs_are_refused_for_m2po(world_of_one, padding_ker
 
 
 @needs_engine
+def test_fipo_with_recomputed_old_log_probs_takes_them_as_its_ratios_denominator(world_of_one,
+                                                                                  padding_kernels) -> None:
+    """algorithm.bypass_old_logprobs: false: Trinity's old_log_probs (recomputed by the trainer, here those of an
+    earlier optimizer step) differ from rollout_log_probs; FIPO's ratio is pi_theta / old_log_probs (FIPO's own
+    definition), not against the rollout's, and its loss, gradient and metrics are the registry's on those."""
+    rows = C.mini_batch(0)
+    gen = torch.Generator().manual_seed(7)
+    recomputed = (rows["old_log_probs"] + torch.randn(rows["old_log_probs"].shape, generator=gen) * 0.3)
+    rows["old_log_probs"] = recomputed * rows["response_mask"]  # rollout_log_probs stay the explorer's
+    valid = rows["response_mask"].bool()
+    assert not torch.equal(rows["old_log_probs"][valid], rows["rollout_log_probs"][valid])
+    grad, seen = C.run_engine("fipo", rows, ONE)
+    assert len(seen) == 1
+    lp = rows["table"].clone().requires_grad_(True)
+    expected, metrics = C.registry_loss("fipo", rows, lp)
+    expected.backward()
+    torch.testing.assert_close(seen[0]["loss"], expected.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, lp.grad, rtol=1e-6, atol=1e-8)
+    for key, value in metrics.items():
+        assert seen[0]["metrics"][f"actor/{key}"] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    against_rollout, _ = C.registry_loss("fipo", {**rows, "old_log_probs": rows["rollout_log_probs"]}, rows["table"])
+    assert float(against_rollout) != pytest.approx(float(expected.detach()), rel=1e-3), "the denominators must differ"
+
+
+@needs_engine
+@pytest.mark.parametrize("name", ["m2po", "fipo"])
+def test_trinitys_kl_and_entropy_terms_are_token_means_of_the_mini_batch_beside_the_exact_loss(
+        world_of_one, padding_kernels, name: str) -> None:
+    """kl_loss_fn: k3 and entropy_loss_fn: default with non-zero coefficients, one rank, one micro-batch: Trinity's
+    TrinityPolicyLoss adds KL_COEF x the mini-batch's token-mean k3 and subtracts ENTROPY_COEF x its token-mean
+    entropy to the registry's loss; the loss and the gradients (log-probs and entropy) are that sum's."""
+    rows = C.with_reference_policy(C.mini_batch(0), 0)
+    entropy = C.entropy_table(0, rows).requires_grad_(True)
+    grad, seen = C.run_engine(name, rows, ONE, algorithm=C.KL_ENTROPY, entropy=entropy)
+    assert len(seen) == 1
+    lp = rows["table"].clone().requires_grad_(True)
+    ent = C.entropy_table(0, rows).requires_grad_(True)
+    policy, _ = C.registry_loss(name, rows, lp)
+    extra = C.kl_entropy_reference(rows, lp, ent)
+    (policy + extra).backward()
+    assert abs(float(extra)) > 1e-3 and ent.grad.abs().sum() > 0, "the terms must act"
+    torch.testing.assert_close(seen[0]["loss"], (policy + extra).detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, lp.grad, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(entropy.grad, ent.grad, rtol=1e-6, atol=1e-9)
+    assert seen[0]["metrics"]["actor/kl_coef"] == C.KL_COEF
+
+
+@needs_engine
 def test_two_data_parallel_ranks_reproduce_the_whole_mini_batch(tmp_path) -> None:
     """Two gloo ranks, each with half of the mini-batch, through verl's engine loop (which all-reduces the token count
     and passes dp_size=2). The update is the mean of the ranks' gradients (what FSDP's reduction does).
@@ -407,3 +455,25 @@ def test_two_data_parallel_ranks_reproduce_the_whole_mini_batch(tmp_path) -> Non
         assert all(e and e == errors[0] for e in errors), errors
         assert "over all 2 data-parallel ranks" in errors[0] and "allow_split_mini_batch: true" in errors[0]
     assert all("m2_scope=local selects over one rank's tokens" in r["m2po_local"].get("error", "") for r in ranks)
+    # Trinity's KL and entropy terms beside M2PO: each rank adds its own token means (Trinity's definition), so the
+    # update is the whole mini-batch's M2PO plus the mean over the ranks of each rank's terms
+    kl_seed = C.KL_DP_SEED_OFFSET
+    rows = C.with_reference_policy(C.mini_batch(kl_seed), kl_seed)
+    n_valid = int(rows["response_mask"].sum())
+    lp = rows["table"].clone().requires_grad_(True)
+    ent = C.entropy_table(kl_seed, rows).requires_grad_(True)
+    whole, _ = C.registry_loss("m2po", rows, lp, num_tokens=n_valid)
+    halves = [{k: v[r * 4:(r + 1) * 4] for k, v in rows.items()} for r in range(2)]
+    terms = sum(C.kl_entropy_reference(h, lp[r * 4:(r + 1) * 4], ent[r * 4:(r + 1) * 4])
+                for r, h in enumerate(halves)) / 2
+    (whole + terms).backward()
+    runs = [r["m2po_kl_entropy"] for r in ranks]
+    torch.testing.assert_close(sum(float(run["seen"][0]["loss"]) for run in runs) / 2, float(whole + terms),
+                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close((runs[0]["grad"] + runs[1]["grad"]) / 2, lp.grad, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close((runs[0]["entropy_grad"] + runs[1]["entropy_grad"]) / 2, ent.grad, rtol=1e-6,
+                               atol=1e-9)
+    # which is not the token mean over the whole mini-batch: the ranks hold different numbers of tokens
+    token_mean = C.kl_entropy_reference(rows, rows["table"], C.entropy_table(kl_seed, rows))
+    assert [int(h["response_mask"].sum()) for h in halves][0] != n_valid / 2
+    assert float(terms) != pytest.approx(float(token_mean), rel=1e-3)
