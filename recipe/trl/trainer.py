@@ -37,9 +37,22 @@ from recipe.trl.inputs import behaviour_log_probs, loss_mask
 from recipe.trl.losses import STALERL_LOSS_TYPES, check_vllm_logprobs_mode, loss_config
 from recipe.versions import check_framework_version
 
-#: Inputs TRL passes to its log-prob forward besides ids and masks (vision models); forwarded unchanged.
+#: Inputs TRL passes to its log-prob forward besides ids and masks (vision models; refused for m2po/fipo at
+#: construction, so these are None there); forwarded as TRL forwards them.
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _check_text_processing_class(loss_type: str, processing_class: Any) -> None:
+    """Vision inputs are refused for m2po/fipo, by TRL's own rule for its vision-language path (a processor as
+    ``processing_class``: TRL's ``_is_vlm``), before TRL builds anything: the adapter is not tested with them."""
+    from trl.trainer.grpo_trainer import ProcessorMixin  # the very class TRL's `_is_vlm` test uses
+
+    if isinstance(processing_class, ProcessorMixin):
+        raise ValueError(f"recipe.trl: loss_type={loss_type!r} does not support vision inputs (processing_class is "
+                         f"{type(processing_class).__name__}, a processor: TRL's vision-language path), which this "
+                         "adapter is not tested with. Fix: a text model with its tokenizer as processing_class, or "
+                         "one of TRL's own loss types")
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -53,11 +66,15 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise TypeError(f"loss_type={cfg.loss_type!r} needs recipe.trl.GRPOConfig (it carries m2_threshold and "
                             f"the fipo_* keys), got {type(cfg).__module__}.{type(cfg).__name__}; build the config "
                             "with `from recipe.trl import GRPOConfig`")
+        if cfg is not None and cfg.loss_type in STALERL_LOSS_TYPES:
+            _check_text_processing_class(cfg.loss_type, kwargs.get("processing_class",
+                                                                   args[5] if len(args) > 5 else None))
         super().__init__(*args, **kwargs)
         self._stalerl_window = StepWindow("recipe.trl")  # the current optimizer step's micro-batches and plan
         self._stalerl_metrics = StepMetrics()
         if self._uses_stalerl_loss:
             self._stalerl_check_backend()
+            self._stalerl_check_model_inputs()
         if self._uses_stalerl_loss and self.use_vllm and self.vllm_mode == "server":
             self._stalerl_check_vllm_server()
 
@@ -67,6 +84,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         check_sharding_backend("recipe.trl", f"loss_type={self.loss_type!r}",
                                deepspeed=bool(self.is_deepspeed_enabled),
                                fsdp=bool(self.is_fsdp_enabled))
+
+    def _stalerl_check_model_inputs(self) -> None:
+        """A MoE router auxiliary loss is refused for m2po/fipo, on TRL's own flag for it: the load-balancing loss is
+        a function of each micro-batch's forward (its tokens' routing), not a sum over tokens, so a step's loss would
+        depend on the split."""
+        name = f"loss_type={self.loss_type!r}"
+        if self.aux_loss_enabled:
+            model = type(self.accelerator.unwrap_model(self.model)).__name__
+            raise ValueError(f"recipe.trl: {name} does not support the MoE router auxiliary loss of {model} "
+                             f"(router_aux_loss_coef={self.router_aux_loss_coef}): it is computed per micro-batch "
+                             "forward, so the optimizer step's loss would depend on how the step is split. Fix: "
+                             "GRPOConfig(router_aux_loss_coef=0.0)")
 
     def _stalerl_check_vllm_server(self) -> None:
         """TRL checks the server's ``--logprobs-mode`` only with its IS correction on (which m2po/fipo refuse); the
@@ -98,13 +127,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         extra = {key: inputs.get(key) for key in _FORWARD_KEYS}
         return self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=compute_entropy,
-            compute_aux_loss=self.aux_loss_enabled and compute_entropy, **extra)
+            compute_aux_loss=False, **extra)  # a MoE auxiliary loss is refused at construction
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         if not self._uses_stalerl_loss:
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
-        per_token_logps, entropies, aux_loss = self._log_probs(model, inputs, compute_entropy=True)
+        per_token_logps, entropies, _ = self._log_probs(model, inputs, compute_entropy=True)
         mask = loss_mask(inputs)
         behaviour = behaviour_log_probs(inputs, per_token_logps)
         old = per_token_logps.detach() if behaviour is None else behaviour
@@ -126,10 +155,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             kl_sum = torch.where(mask.bool(), per_token_kl, torch.zeros_like(per_token_kl)).sum()
             loss = loss + self.beta * kl_sum / max(plan.num_tokens, 1) * plan.dp_size
             self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
-        if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL does
-            ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            loss = loss + self.router_aux_loss_coef * aux_loss / ga
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         step_size = self._stalerl_window.size if mode == "train" else 1
         self._log_loss_metrics(mode, metrics, plan, index, entropies, mask, step_size,
                                dict(old_log_prob=old, log_prob=per_token_logps, advantages=advantages,

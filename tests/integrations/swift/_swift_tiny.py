@@ -119,8 +119,12 @@ ROLLOUT_PLUGIN = '''
 """Test-only plugin: gives micro-batches vLLM-like rollout log-probs (ms-swift's old log-probs minus 0.05 on the
 valid tokens), on every micro-batch (SWIFT_TEST_ROLLOUT=all), only on the generation batch's first one (=first),
 as ms-swift's collation leaves them None for a completion whose log-prob count does not match, or on every
-micro-batch of rank 0 only (=rank0; torchrun's RANK)."""
+micro-batch of rank 0 only (=rank0; torchrun's RANK). SWIFT_TEST_TRUNCATE=alternate marks the generation batch's
+even rows (in the batch's order, whatever the split) as truncated, so --overlong_filter has rows to leave out and
+rows to keep (the tiny random model truncates nearly every completion at --max_completion_length)."""
 import os
+
+import torch
 
 from recipe.swift.trainer import GRPOTrainer
 
@@ -134,6 +138,14 @@ def _with_rollout(self, inputs):
         batch = entry["grpo_batch"]
         if which == "all" or (which == "first" and i == 0) or (which == "rank0" and os.environ.get("RANK") == "0"):
             batch.rollout_per_token_logps = (batch.old_per_token_logps - 0.05 * batch.completion_mask).detach()
+    if os.environ.get("SWIFT_TEST_TRUNCATE") == "alternate":
+        start = 0
+        for entry in micro_batches:
+            batch = entry["grpo_batch"]
+            rows = batch.truncated_mask.shape[0]
+            index = torch.arange(start, start + rows, device=batch.truncated_mask.device)
+            batch.truncated_mask = index % 2 == 0
+            start += rows
     return micro_batches
 
 

@@ -9,7 +9,9 @@ Checked against that record:
   (concatenated), and M2PO's mask is the literal Algorithm 1 mask of that whole step (tests/unit/m2po_reference.py);
 - the metrics reach ms-swift's log (``log_history``), and M2PO masks something / FIPO's weights move off 1;
 - the same generation batch trained as 8 x 1, 4 x 2 and 2 x 4 (per-device batch x accumulation steps, plain SGD, no
-  gradient clipping, so a wrong scale would show) gives the same weights;
+  gradient clipping, so a wrong scale would show) gives the same weights, for M2PO, M2PO with ``--beta`` (KL to
+  the reference model) and with ``--overlong_filter``, ``fipo_ref`` with dropped rows, and ``--steps_per_generation``
+  twice the accumulation;
 - ms-swift's own ``grpo`` loss type still runs with the plugin loaded, and a bad setting fails before training.
 """
 
@@ -99,7 +101,8 @@ def swift_in_one_process(ws: dict[str, Path], runs: list[dict[str, Any]]) -> Non
     for run in runs:
         (ws["root"] / run["name"]).mkdir(parents=True, exist_ok=True)
         spec.append({"argv": swift_argv(ws, run["name"], run["loss_type"], run["per_device"], run["accumulation"],
-                                        run.get("extra"), rollout="SWIFT_TEST_ROLLOUT" in run.get("env", {})),
+                                        run.get("extra"),
+                                        rollout=bool({"SWIFT_TEST_ROLLOUT", "SWIFT_TEST_TRUNCATE"} & set(run.get("env", {})))),
                      "env": {**base_env(ws, run["name"]), **run.get("env", {})},
                      "error_file": str(ws["root"] / run["name"] / "error.txt") if run.get("fails") else None})
     spec_file = ws["root"] / f"runs-{runs[0]['name']}.json"
@@ -162,6 +165,8 @@ def literal_keep(step: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor
 
 
 TAU = 0.05  # set through the environment (the adapter's route for the threshold; its default is 0.04)
+BETA = 0.5  # --beta: large, so the KL term's gradient shows in the weights
+DROP_EPSILON, DROP_C = 0.02, 1.05  # fipo_ref's PPO clip and dual clip c (> 1 + eps_high): rows drop on reuse steps
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +190,24 @@ def runs(workspace) -> dict[str, dict[str, Any]]:
              env={**m2po_env, "SWIFT_TEST_ROLLOUT": "first"}),
         dict(name="rollout_part_fallback", loss_type="fipo_ref", per_device=4, accumulation=2,
              env={"SWIFT_TEST_ROLLOUT": "first", "STALERL_SWIFT_OLD_LOGPS_FALLBACK": "true"}),
+        # the same two generation batches of 16 as m2po_spg4, as 8 x 1 (each step one micro-batch)
+        dict(name="m2po_spg2_8x1", loss_type="m2po", per_device=8, accumulation=1, env=m2po_env,
+             extra=["--steps_per_generation", "2"]),
+        # --beta > 0: ms-swift's KL to its reference model, over the step's token count
+        *[dict(name=f"m2po_beta_{8 // acc}x{acc}", loss_type="m2po", per_device=8 // acc, accumulation=acc,
+               env=m2po_env, extra=["--beta", str(BETA)]) for acc in (1, 4)],
+        # --overlong_filter true, the generation batch's even rows marked truncated by the test plugin
+        *[dict(name=f"m2po_overlong_{8 // acc}x{acc}", loss_type="m2po", per_device=8 // acc, accumulation=acc,
+               env={**m2po_env, "SWIFT_TEST_TRUNCATE": "alternate"}, extra=["--overlong_filter", "true"])
+          for acc in (1, 4)],
+        # fipo_ref with a dual clip c close to the PPO clip, so FIPO's sequence drop removes rows
+        *[dict(name=f"fipo_drop_{8 // acc}x{acc}", loss_type="fipo_ref", per_device=8 // acc, accumulation=acc,
+               env={"STALERL_FIPO_DECAY_RATE": "16", "STALERL_FIPO_CLIP_RATIO_C": str(DROP_C)},
+               extra=["--epsilon", str(DROP_EPSILON)]) for acc in (1, 2, 4)],
     ])
     names = ("m2po_4x2", "m2po_8x1", "m2po_2x4", "fipo_ref", "grpo_builtin", "rollout_all",
-             "rollout_part_fallback", "m2po_spg4")
+             "rollout_part_fallback", "m2po_spg4", "m2po_spg2_8x1", "m2po_beta_8x1", "m2po_beta_2x4",
+             "m2po_overlong_8x1", "m2po_overlong_2x4", "fipo_drop_8x1", "fipo_drop_4x2", "fipo_drop_2x4")
     return {name: load(workspace, name) for name in names}
 
 
@@ -239,17 +259,11 @@ def test_same_generation_batch_split_differently_gives_the_same_weights(m2po_run
     reference = m2po_runs[1]
     moved = max((reference["state_dict"][k] - v).abs().max().item() for k, v in initial.items())
     assert moved > 1e-3, "training did not move the weights"
+    print(f"weights moved {moved:.3g}")
     for acc in (2, 4):
         run = m2po_runs[acc]
-        for a, b in zip(steps(reference["records"]), steps(run["records"])):  # the same data, the same advantages
-            torch.testing.assert_close(flat(a, "old_log_prob"), flat(b, "old_log_prob"), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(flat(a, "advantages"), flat(b, "advantages"))
-        worst = 0.0
-        for key, value in reference["state_dict"].items():
-            torch.testing.assert_close(run["state_dict"][key], value, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
-                                       msg=lambda m: f"{key} after {STEPS} steps, 8x1 vs {8 // acc}x{acc}: {m}")
-            worst = max(worst, (run["state_dict"][key] - value).abs().max().item())
-        print(f"split invariance: 8x1 vs {8 // acc}x{acc}: max |dw| = {worst:.3g} (weights moved {moved:.3g})")
+        assert_same_data(reference, run)
+        assert_same_weights(reference, run, f"8x1 vs {8 // acc}x{acc}")
 
 
 def test_reference_fipo_loss_is_the_registry_and_its_metrics_are_logged(runs):
@@ -446,3 +460,91 @@ def test_rollout_log_probs_on_one_rank_only_are_refused_by_both_ranks(two_proces
     for rank in (0, 1):
         assert f"[rank{rank}]: RuntimeError: --loss_type m2po: vLLM's rollout log-probs are missing for part of " \
                "this optimizer step" in proc.stderr, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ split invariance of the other settings
+
+
+def assert_same_weights(reference: dict[str, Any], run: dict[str, Any], what: str) -> float:
+    """The two runs' weights agree to fp32 rounding; returns the largest difference."""
+    worst = 0.0
+    for key, value in reference["state_dict"].items():
+        torch.testing.assert_close(run["state_dict"][key], value, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
+                                   msg=lambda m: f"{key} after {STEPS} steps, {what}: {m}")
+        worst = max(worst, (run["state_dict"][key] - value).abs().max().item())
+    print(f"split invariance: {what}: max |dw| = {worst:.3g}")
+    return worst
+
+
+def assert_same_data(reference: dict[str, Any], run: dict[str, Any]) -> None:
+    """The two runs trained on the same data: the same behaviour log-probs and advantages, step by step."""
+    for a, b in zip(steps(reference["records"]), steps(run["records"])):
+        torch.testing.assert_close(flat(a, "old_log_prob"), flat(b, "old_log_prob"), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat(a, "advantages"), flat(b, "advantages"))
+
+
+def weight_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max((a["state_dict"][k] - v).abs().max().item() for k, v in b["state_dict"].items())
+
+
+def test_steps_per_generation_twice_the_accumulation_gives_the_weights_of_one_micro_batch_per_step(runs):
+    """--steps_per_generation 4 x accumulation 2 (each generation batch of 16 feeds two steps of 2 micro-batches)
+    against --steps_per_generation 2 x accumulation 1 (the same two steps, one micro-batch each): the same data, the
+    same weights."""
+    reference, run = runs["m2po_spg2_8x1"], runs["m2po_spg4"]
+    assert_same_data(reference, run)
+    assert_same_weights(reference, run, "steps_per_generation 2 x 8x1 vs 4 x 4x2")
+
+
+def test_beta_kl_to_the_reference_model_is_split_invariant_and_acts(runs):
+    """--beta > 0: the k3 KL to ms-swift's reference model is divided by the step's token count like the policy loss,
+    so 8 x 1 and 2 x 4 give the same weights; and the KL acts (the weights differ from --beta 0, its metric > 0)."""
+    reference, run = runs["m2po_beta_8x1"], runs["m2po_beta_2x4"]
+    assert_same_data(reference, run)
+    assert_same_weights(reference, run, "--beta 8x1 vs 2x4")
+    kl = [entry["kl"] for entry in reference["log_history"] if "kl" in entry]
+    assert len(kl) == STEPS and max(kl) > 0, kl
+    assert weight_distance(reference, runs["m2po_8x1"]) > 1e-4, "--beta changed nothing"
+
+
+def test_overlong_filter_leaves_truncated_rows_out_of_the_loss_and_the_count_split_invariantly(runs):
+    """--overlong_filter true: a truncated completion (the generation batch's even rows here) has no valid token in
+    the loss nor in the step's count; each step's loss is the one-call loss of its kept rows; 8 x 1 and 2 x 4 give the
+    same weights."""
+    for run in (runs["m2po_overlong_8x1"], runs["m2po_overlong_2x4"]):
+        for step in steps(run["records"]):
+            rows = torch.cat([r["response_mask"].bool().any(dim=1) for r in step])
+            assert rows.tolist() == [i % 2 == 1 for i in range(GENERATION_BATCH)]
+            tokens = int(flat(step, "response_mask").numel())
+            assert all(r["config"]["global_batch_info"]["batch_num_tokens"] == tokens for r in step)
+            torch.testing.assert_close(sum(r["loss"] for r in step), one_call("m2po", step, {"m2_threshold": TAU}),
+                                       rtol=1e-5, atol=1e-7)
+    assert_same_data(runs["m2po_overlong_8x1"], runs["m2po_overlong_2x4"])
+    assert_same_weights(runs["m2po_overlong_8x1"], runs["m2po_overlong_2x4"], "--overlong_filter 8x1 vs 2x4")
+    assert weight_distance(runs["m2po_overlong_8x1"], runs["m2po_8x1"]) > 1e-4, "--overlong_filter changed nothing"
+
+
+def test_reference_fipo_with_dropped_rows_is_the_one_call_reference_and_split_invariant(runs):
+    """fipo_ref with c = 1.05: FIPO's sequence drop removes rows on the reuse steps (fipo/sequence_drop_ratio > 0).
+    Each step's micro-batch losses add up to the registry's FIPO of the whole step in one call, with its own drop
+    (the dropped rows out of numerator and denominator), and 8 x 1, 4 x 2 and 2 x 4 give the same weights."""
+    dropped = 0
+    for name in ("fipo_drop_8x1", "fipo_drop_4x2", "fipo_drop_2x4"):
+        run = runs[name]
+        for step in steps(run["records"]):
+            config = {k: v for k, v in step[0]["config"].items() if k != "global_batch_info"}
+            assert config["fipo_clip_ratio_c"] == DROP_C and config["clip_ratio_high"] == DROP_EPSILON
+            torch.testing.assert_close(sum(r["loss"] for r in step), one_call("fipo", step, config),
+                                       rtol=1e-5, atol=1e-7)
+            # every call divides by the step's tokens of the rows FIPO keeps (fewer than all when a row drops)
+            kept = int(flat(step, "response_mask").numel()) - sum(
+                int(r["response_mask"][~r["row_keep_mask"].bool().any(dim=1)].sum()) for r in step)
+            assert all(r["config"]["global_batch_info"]["batch_num_tokens"] == kept for r in step)
+        logs = [entry for entry in run["log_history"] if "fipo/sequence_drop_ratio" in entry]
+        assert len(logs) == STEPS
+        dropped += sum(int(entry["fipo/num_dropped_sequences"]) for entry in logs)
+        assert any(entry["fipo/sequence_drop_ratio"] > 0 for entry in logs), f"{name}: no row was dropped"
+    print(f"fipo_ref c={DROP_C}: {dropped} rows dropped over the three runs")
+    for name in ("fipo_drop_4x2", "fipo_drop_2x4"):
+        assert_same_data(runs["fipo_drop_8x1"], runs[name])
+        assert_same_weights(runs["fipo_drop_8x1"], runs[name], f"fipo_ref with drops, 8x1 vs {name[-3:]}")

@@ -24,7 +24,8 @@ SPLIT_TAU = 0.2
 SPLIT_ATOL = 1e-6
 
 
-def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, **overrides: Any):
+def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, trainer_kwargs: Any = None,
+           **overrides: Any):
     require_trl()
     from recipe.trl import GRPOConfig, GRPOTrainer
 
@@ -32,7 +33,8 @@ def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, **ov
     model, tok = tiny_model_and_tokenizer()
     args = (config_cls or GRPOConfig)(**base_args(tmp_path, **overrides))
     trainer = (trainer_cls or GRPOTrainer)(model=model, reward_funcs=digit_reward, args=args,
-                                           train_dataset=prompts_dataset(), processing_class=tok)
+                                           train_dataset=prompts_dataset(), processing_class=tok,
+                                           **(trainer_kwargs or {}))
     trainer.train()
     return trainer
 
@@ -68,6 +70,15 @@ def _steps(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def _cat(step: list[dict[str, Any]], key: str) -> torch.Tensor:
     return torch.cat([call[key] for call in step], dim=0)  # one generation batch: same padded width
+
+
+def _assert_split_invariant(finals: dict[tuple[int, int], dict[str, torch.Tensor]], what: str) -> None:
+    """The weights of every split against 8x1 (per-device batch x accumulation), within SPLIT_ATOL."""
+    ref = finals[(8, 1)]
+    for split, got in finals.items():
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+        print(f"{what} {split[0]}x{split[1]}: max |w - w(8x1)| = {worst:.2e}")
+        assert worst <= SPLIT_ATOL, f"{what} {split}: weights differ from 8x1 by {worst}"
 
 
 @pytest.mark.parametrize("loss_type", ["m2po", "fipo"])
@@ -380,11 +391,7 @@ def test_steps_per_generation_twice_the_accumulation_is_split_invariant(tmp_path
                       if "m2po/num_masked_tokens" in row]
             assert masked[-1] > 0, "the second step must mask tokens, or the test shows nothing"
         finals[(per_device, ga)] = weights(trainer.model)
-    ref = finals[(8, 1)]
-    for split, got in finals.items():
-        worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-        print(f"{loss_type} spg=2ga {split[0]}x{split[1]}: max |w - w(8x1)| = {worst:.2e}")
-        assert worst <= SPLIT_ATOL, f"{split}: weights differ from 8x1 by {worst}"
+    _assert_split_invariant(finals, f"{loss_type} spg=2ga")
 
 
 def test_extra_forwards_run_as_trls_own_log_prob_forward(tmp_path: Path) -> None:
@@ -425,3 +432,140 @@ def test_extra_forwards_run_as_trls_own_log_prob_forward(tmp_path: Path) -> None
     a, b = weights(checkpointed.model), weights(plain.model)
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= SPLIT_ATOL, f"gradient checkpointing changed the weights by {worst}"
+
+
+# ------------------------------------------------------------------------- tool masks, FIPO's drops, refusals
+
+TOOL_COLUMNS = slice(2, 5)  # completion positions a rollout marks as tool output (env_mask 0)
+
+
+def _rollout_with_tool_output(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+    """A TRL ``rollout_func``: TRL's own HF generation, with ``env_mask`` (TRL's ``tool_mask``) 0 on completion
+    positions 2..4, as a tool call's result would be. Column-wise, so the same tokens whatever the row shuffle."""
+    prompt_ids, images, fields = trainer._tokenize_prompts(prompts)
+    completion_ids, _ = trainer._generate_single_turn(prompt_ids, images, fields, trainer.num_generations)
+    env_mask = [[0 if TOOL_COLUMNS.start <= j < TOOL_COLUMNS.stop else 1 for j in range(len(ids))]
+                for ids in completion_ids]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
+
+
+def _whole_step_loss(trainer: Any, step: list[dict[str, Any]]) -> torch.Tensor:
+    """The registry loss of the whole step in one call (its own selection, drop and token count)."""
+    from recipe.registry import get_policy_loss_fn
+    from recipe.trl.losses import loss_config
+
+    old, new, adv, mask = (_cat(step, k) for k in ("old_log_prob", "log_prob", "advantages", "response_mask"))
+    whole, _ = get_policy_loss_fn(trainer.loss_type)(old_log_prob=old, log_prob=new, advantages=adv,
+                                                     response_mask=mask, loss_agg_mode="token-mean",
+                                                     config=loss_config(trainer.args))
+    return whole
+
+
+def test_tool_mask_leaves_tool_tokens_out_of_the_loss_and_the_count_split_invariantly(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """TRL's tool mask (here from a rollout_func's ``env_mask``, TRL's path for environment / tool output): the
+    masked tokens are in no loss call and not in the step's token count, each step's loss is the one-call loss
+    over the tool-masked step, and 8x1 / 2x4 give the same weights. (TRL's ``tools=`` loop fills the same
+    ``tool_mask`` key; it needs a tool-calling chat template, which the tiny tokenizer has not.)"""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL's notice that rollout_func is experimental
+    finals = {}
+    for per_device, ga in ((8, 1), (2, 4)):
+        trainer = _train(tmp_path / f"{per_device}x{ga}", _capturing_trainer(), loss_type="m2po",
+                         m2_threshold=SPLIT_TAU, per_device_train_batch_size=per_device,
+                         gradient_accumulation_steps=ga, max_steps=2,
+                         trainer_kwargs={"rollout_func": _rollout_with_tool_output}, **SGD)
+        steps = _steps(trainer.calls)
+        assert len(steps) == 2 and all(len(step) == ga for step in steps)
+        for step in steps:
+            mask = _cat(step, "response_mask")
+            assert float(mask[:, TOOL_COLUMNS].sum()) == 0 and float(mask[:, :TOOL_COLUMNS.start].sum()) > 0
+            assert all(call["config"]["global_batch_info"]["batch_num_tokens"] == int(mask.sum()) for call in step)
+            torch.testing.assert_close(sum(call["loss"] for call in step), _whole_step_loss(trainer, step),
+                                       rtol=1e-5, atol=1e-7)
+        finals[(per_device, ga)] = weights(trainer.model)
+    _assert_split_invariant(finals, "m2po with tool_mask")
+
+
+FIPO_DROP_EPSILON, FIPO_DROP_C = 0.02, 1.05  # PPO clip and dual clip c (> 1 + eps_high): the reuse pass drops rows
+
+
+def test_fipo_rows_dropped_in_the_trainer_are_the_reference_fipo_and_split_invariant(tmp_path: Path) -> None:
+    """FIPO's sequence drop through trainer.train(): one generation batch feeds two steps (steps_per_generation =
+    2 x accumulation), and with c = 1.05 (PPO clip 0.02) rows of the second, stale step drop
+    (fipo/sequence_drop_ratio > 0; with num_iterations=2 instead, the reuse pass lowers the A < 0 tokens' ratios and
+    no row has two above c); each step's micro-batch losses add up to the registry's FIPO of the whole step in
+    one call (which removes the dropped rows from its numerator and denominator), and 8x1 / 4x2 / 2x4 give the same
+    weights."""
+    finals = {}
+    for per_device, ga in ((8, 1), (4, 2), (2, 4)):
+        trainer = _train(tmp_path / f"{per_device}x{ga}", _capturing_trainer(), loss_type="fipo",
+                         fipo_clip_ratio_c=FIPO_DROP_C, epsilon=FIPO_DROP_EPSILON,
+                         per_device_train_batch_size=per_device, gradient_accumulation_steps=ga,
+                         steps_per_generation=2 * ga, num_iterations=1, max_steps=2, **SGD)
+        for step in _steps(trainer.calls):
+            torch.testing.assert_close(sum(call["loss"] for call in step), _whole_step_loss(trainer, step),
+                                       rtol=1e-5, atol=1e-7)
+        # the second step's count leaves the dropped row's tokens out
+        counted = trainer.calls[-1]["config"]["global_batch_info"]["batch_num_tokens"]
+        assert counted < int(_cat(_steps(trainer.calls)[-1], "response_mask").sum())
+        rows = [row for row in trainer.state.log_history if "fipo/sequence_drop_ratio" in row]
+        dropped = [row["fipo/num_dropped_sequences"] for row in rows]
+        print(f"fipo c={FIPO_DROP_C} {per_device}x{ga}: rows dropped per step {dropped}")
+        assert len(rows) == 2 and rows[-1]["fipo/sequence_drop_ratio"] > 0, "no row dropped: the test shows nothing"
+        finals[(per_device, ga)] = weights(trainer.model)
+    _assert_split_invariant(finals, f"fipo c={FIPO_DROP_C} (rows dropped)")
+
+
+def _tiny_moe(tok: Any) -> Any:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return Qwen2MoeForCausalLM(config)
+
+
+def test_moe_router_auxiliary_loss_is_refused_when_the_trainer_is_built(tmp_path: Path) -> None:
+    """A MoE model whose config returns router logits (TRL then adds its load-balancing loss, a function of each
+    micro-batch's routing, so not split-invariant): refused in one line; router_aux_loss_coef=0.0 builds."""
+    require_trl()
+    from recipe.trl import GRPOConfig, GRPOTrainer
+
+    _, tok = tiny_model_and_tokenizer()
+    with pytest.raises(ValueError) as err:
+        GRPOTrainer(model=_tiny_moe(tok), reward_funcs=digit_reward, processing_class=tok,
+                    train_dataset=prompts_dataset(), args=GRPOConfig(**base_args(tmp_path, loss_type="m2po")))
+    message = str(err.value)
+    assert message.startswith("recipe.trl: loss_type='m2po' does not support the MoE router auxiliary loss of "
+                              "Qwen2MoeForCausalLM (router_aux_loss_coef=0.001)") and "\n" not in message
+    assert message.endswith("Fix: GRPOConfig(router_aux_loss_coef=0.0)")
+    trainer = GRPOTrainer(model=_tiny_moe(tok), reward_funcs=digit_reward, processing_class=tok,
+                          train_dataset=prompts_dataset(),
+                          args=GRPOConfig(**base_args(tmp_path, loss_type="m2po", router_aux_loss_coef=0.0)))
+    assert not trainer.aux_loss_enabled
+
+
+def test_vision_inputs_are_refused_when_the_trainer_is_built(tmp_path: Path) -> None:
+    """A processor as processing_class is TRL's vision-language path (its ``_is_vlm``): refused in one line. (This
+    venv has neither torchvision nor Pillow for a real image processor; a processor holding only the tokenizer is
+    a ProcessorMixin all the same, which is what TRL decides on.)"""
+    require_trl()
+    from transformers import ProcessorMixin
+
+    from recipe.trl import GRPOConfig, GRPOTrainer
+
+    class TokenizerOnlyProcessor(ProcessorMixin):
+        attributes = ["tokenizer"]
+
+        def __init__(self, tokenizer: Any) -> None:
+            super().__init__(tokenizer)
+
+    model, tok = tiny_model_and_tokenizer()
+    with pytest.raises(ValueError) as err:
+        GRPOTrainer(model=model, reward_funcs=digit_reward, processing_class=TokenizerOnlyProcessor(tok),
+                    train_dataset=prompts_dataset(), args=GRPOConfig(**base_args(tmp_path, loss_type="fipo")))
+    message = str(err.value)
+    assert message.startswith("recipe.trl: loss_type='fipo' does not support vision inputs (processing_class is "
+                              "TokenizerOnlyProcessor, a processor") and "\n" not in message
