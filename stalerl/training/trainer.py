@@ -7,6 +7,7 @@ one process and one model here, so the engine always samples from the trainer's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -347,11 +348,17 @@ class Trainer:
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
         self.on_training_start()
-        with interrupt.deferred():  # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt)
-            return self._train_steps(logger, resumed)
+        # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt); from the end of the last
+        # step on (its checkpoint, the final model, finished.json) neither a signal nor the grace timer cuts the run
+        # short: it ends finished, with its marker (interrupt.shielded, entered on `final`).
+        with interrupt.deferred(), contextlib.ExitStack() as final:
+            return self._train_steps(logger, resumed, final)
 
-    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int]) -> dict[str, Any]:
+    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int],
+                     final: contextlib.ExitStack) -> dict[str, Any]:
         cfg = self.cfg
+        if self.step >= self.total_steps:  # resumed at the end: only the final save is left
+            final.enter_context(interrupt.shielded())
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
@@ -368,6 +375,8 @@ class Trainer:
                 logger.log(self.step, last)
                 logger.close()
                 raise TrainingDiverged(self.step, ", ".join(bad))
+            if self.step >= self.total_steps:
+                final.enter_context(interrupt.shielded())
             if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
                 last["timing/startup_overhead_s"] = startup_s
                 startup_s = None
