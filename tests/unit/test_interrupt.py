@@ -56,3 +56,20 @@ def test_a_signal_during_the_final_save_lets_it_end_but_a_second_one_stops_at_on
         with pytest.raises(RunInterrupted) as stop:
             _signal_self()
     assert "second signal" in str(stop.value)
+
+
+def test_a_step_that_outlasts_the_grace_is_stopped_at_once():
+    with StopRequests(grace_s=0.2), interrupt.deferred():
+        _signal_self()  # asks for a stop at the end of the step ...
+        with pytest.raises(RunInterrupted) as stop:
+            time.sleep(2)  # ... which has not come within the grace: the timer stops it here
+    assert "did not end within 0.2s" in str(stop.value) and stop.value.checkpoint_step is None
+
+
+def test_a_second_signal_during_a_step_stops_at_once():
+    with StopRequests(grace_s=30), interrupt.deferred():
+        _signal_self()
+        time.sleep(1.1)
+        with pytest.raises(RunInterrupted) as stop:
+            _signal_self()
+    assert "second signal" in str(stop.value)
