@@ -171,27 +171,12 @@ def current() -> Optional[StopRequests]:
     return StopRequests.current
 
 
-class deferred:
-    """``with deferred():`` a signal inside asks for a stop at the next :func:`stop_requested` check instead of
-    stopping at once (the training steps)."""
-
-    def __enter__(self) -> "deferred":
-        self.stop = StopRequests.current
-        if self.stop is not None:
-            self.was, self.stop.deferring = self.stop.deferring, True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.stop is not None:
-            self.stop.deferring = self.was
-
-
-class _RecordOnly:
-    """Base of :class:`polled` and :class:`shielded`: sets one of StopRequests' record-only flags for a block."""
+class _Flag:
+    """Base of :class:`deferred`, :class:`polled` and :class:`shielded`: sets one of StopRequests' flags for a block."""
 
     flag = ""
 
-    def __enter__(self):
+    def __enter__(self) -> "_Flag":
         self.stop = StopRequests.current
         if self.stop is not None:
             self.was = getattr(self.stop, self.flag)
@@ -203,14 +188,21 @@ class _RecordOnly:
             setattr(self.stop, self.flag, self.was)
 
 
-class polled(_RecordOnly):
+class deferred(_Flag):
+    """``with deferred():`` a signal inside asks for a stop at the next :func:`stop_requested` check instead of
+    stopping at once (the training steps)."""
+
+    flag = "deferring"
+
+
+class polled(_Flag):
     """``with polled():`` a signal inside is only recorded; the block polls :func:`signals_received` and acts (a
     driver waiting on a Ray task or a sweep's run passes it on and waits for that to stop)."""
 
     flag = "polling"
 
 
-class shielded(_RecordOnly):
+class shielded(_Flag):
     """``with shielded():`` the end of a run (final checkpoint, final model, completion marker) is not cut by the
     first signal or by the grace timer; a second signal still stops at once."""
 
