@@ -124,9 +124,11 @@ def test_sweep_2x2_runs_concurrently_on_ray(tmp_path):
     assert "pid=" not in res.stdout + res.stderr
 
 
-def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM):
-    """Start ``cmd``, signal its driver once ``steps`` train steps are logged; (returncode, stdout, stderr)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM, group=False):
+    """Start ``cmd``, signal its driver (``group``: its whole process group, as a terminal's Ctrl-C does) once
+    ``steps`` train steps are logged; (returncode, stdout, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)
     try:
         deadline = time.time() + 300
         while True:
@@ -138,7 +140,7 @@ def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM):
                 pass
             assert time.time() < deadline
             time.sleep(0.1)
-        proc.send_signal(sig)
+        (os.killpg if group else os.kill)(proc.pid, sig)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -147,20 +149,21 @@ def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM):
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("trial, extra, sig", [
-    ("ray-async-term", {"rollout.max_head_offpolicyness": 1}, signal.SIGTERM),  # the controller is the driver
+@pytest.mark.parametrize("trial, extra, sig, group", [
+    ("ray-async-term", {"rollout.max_head_offpolicyness": 1}, signal.SIGTERM, False),  # driver = controller
     # the sync loop as a Ray task: the driver only records the signal (raised inside ray.wait it became a
     # SystemError, exit 1) and passes it on to the task, which stops as a local run does
-    ("ray-sync-term", {}, signal.SIGTERM),
-    ("ray-sync-int", {}, signal.SIGINT),
+    ("ray-sync-term", {}, signal.SIGTERM, False),
+    ("ray-sync-int", {}, signal.SIGINT, False),
+    ("ray-sync-ctrl-c", {}, signal.SIGINT, True),  # the driver, Ray's own processes and the task's all get it
 ])
-def test_signal_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial, extra, sig):
+def test_signal_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial, extra, sig, group):
     import json
 
     cmd = _cmd(tmp_path, trial, **{"total_train_steps": 40, "recover.mode": "auto", "recover.freq_steps": 50,
                                    **extra})
     run = tmp_path / "runs" / "gsm8k-m2po-cpu" / trial
-    code, out, err = _signal_after_steps(cmd, run, 2, sig)
+    code, out, err = _signal_after_steps(cmd, run, 2, sig, group)
     name = signal.Signals(sig).name
     lines = [ln for ln in err.splitlines() if ln.startswith("stalerl: ")]
     assert code == 128 + sig, err[-3000:]
