@@ -372,6 +372,7 @@ class AsyncTrainer(Trainer):
         with self.cond:
             state = super().checkpoint_state(actor_state)
             state["metric_rows_held"] = list(self.eval_logger.held) if getattr(self, "eval_logger", None) else []
+            self.saved_with_held_rows = bool(state["metric_rows_held"])
             state["manager"] = self.manager.state_dict()
             state["prompts"] = list(self.prompts)
             state["dataset"] = self.dataset.state_dict()

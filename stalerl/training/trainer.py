@@ -97,6 +97,8 @@ def peak_memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 class Trainer:
+    saved_with_held_rows = False  # the last checkpoint held metric rows back (only the asynchronous trainer holds any)
+
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
@@ -408,11 +410,16 @@ class Trainer:
         """A SIGTERM/SIGINT arrived during this step: checkpoint it (the same checkpoint a periodic one of this step
         is, so a resume continues exactly), then stop with RunInterrupted."""
         progress.close()
-        logger.close()
+        # Evaluations still running (the asynchronous trainer's, on rollout workers) end first, within the grace:
+        # their rows are written whole, so no row is held back in the checkpoint and written again on resume. The
+        # logger stays open until the checkpoint is saved (saving merges finished evaluations into it).
+        self.log_finished_evaluations(logger, wait=True)
         if self.cfg.recover.mode == "disabled":
+            logger.close()
             raise interrupt.stop_now(step=self.step, note="no final checkpoint (recover.mode=disabled)")
-        if not saved:
+        if not saved or self.saved_with_held_rows:  # again when this step's periodic one held rows now written
             self.save_checkpoint()
+        logger.close()
         raise interrupt.stop_now(step=self.step, checkpoint_step=self.step)
 
     def steps_per_epoch(self) -> int:

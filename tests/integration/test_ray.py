@@ -151,6 +151,7 @@ def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM, group=False):
 
 @pytest.mark.parametrize("trial, extra, sig, group", [
     ("ray-async-term", {"rollout.max_head_offpolicyness": 1}, signal.SIGTERM, False),  # driver = controller
+    ("ray-async-ctrl-c", {"rollout.max_head_offpolicyness": 1}, signal.SIGINT, True),
     # the sync loop as a Ray task: the driver only records the signal (raised inside ray.wait it became a
     # SystemError, exit 1) and passes it on to the task, which stops as a local run does
     ("ray-sync-term", {}, signal.SIGTERM, False),
