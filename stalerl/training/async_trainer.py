@@ -154,8 +154,8 @@ class AsyncTrainer(Trainer):
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",
                                    dict(cfg=self.cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
+            self.outstanding[w.role] = 0  # first: the dispatcher (already running) reads it for every listed worker
             self.rollout_workers.append(w)
-            self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
 
     def _local_gpu_plan(self, res) -> dict[str, int]:
