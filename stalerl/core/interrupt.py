@@ -7,7 +7,13 @@ What Slurm's scancel, Kubernetes, Ray and a shell's ``kill`` send first is SIGTE
   checkpoint have not finished within :data:`GRACE_S` seconds (``STALERL_STOP_GRACE_S``), or a second signal arrives
   at least a second after the first, the run stops at once instead, without the final checkpoint: the previous one
   is intact (checkpoints are atomic), so a resume repeats at most the steps since it;
-- anywhere else (start-up, the warm start, worker start, the end of the run) stops at once.
+- inside :class:`polled` (a driver waiting on a Ray task, a local sweep waiting on its run's process) only records
+  the signal: raising it there would cut a library call in half (inside ``ray.wait`` it becomes a ``SystemError``),
+  so the waiting loop polls :func:`stop_requested` / :func:`signals_received` and passes the signal on;
+- during the end of a run (:class:`shielded`: the last checkpoint, the final model, ``finished.json``) only records
+  it too, so the run ends finished with its completion marker; a second signal (a second or more later) still
+  stops at once (the checkpoints are atomic; the trial then resumes from the last one and writes the marker);
+- anywhere else (start-up, the warm start, worker start) stops at once.
 
 The launcher writes ``summary.json`` with ``status: interrupted`` and the signal, the command line prints one line
 and exits with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a process killed by it.
@@ -81,6 +87,10 @@ class StopRequests:
         self.signum: Optional[int] = None
         self.first_at = 0.0
         self.deferring = False
+        self.polling = False  # record only (see polled)
+        self.shielding = False  # record only, unless repeated (see shielded)
+        self.received = 0  # signals received so far (a waiting driver passes each new one on)
+        self.last_signum: Optional[int] = None
         self.expired = False
         self._previous: dict[int, Any] = {}
         self._timer: Optional[threading.Timer] = None
@@ -114,6 +124,18 @@ class StopRequests:
     # ---------------------------------------------------------------- signals
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
+        self.received += 1
+        self.last_signum = signum
+        if self.polling:  # the waiting loop polls and passes it on: nothing may be raised inside its library calls
+            if self.signum is None:
+                self.signum, self.first_at = signum, now
+            return
+        if self.shielding and (self.signum is None or now - self.first_at < _REPEAT_S):
+            if self.signum is None:
+                self.signum, self.first_at = signum, now
+                print(f"stalerl: {signal_name(signum)} received after the last step: finishing the run's final "
+                      "save (a second signal stops at once)", flush=True)
+            return
         if self.signum is not None:
             if self.expired:
                 raise RunInterrupted(self.signum, note=f"the step did not end within {self.grace_s:g}s: stopped "
@@ -136,6 +158,8 @@ class StopRequests:
         import _thread
 
         self.expired = True
+        if self.shielding:  # the final save is under way: let it end (the marker is written last)
+            return
         _thread.interrupt_main(self.signum)  # runs _handle in the main thread, which then raises
 
     # ---------------------------------------------------------------- the loop's side
@@ -147,19 +171,48 @@ def current() -> Optional[StopRequests]:
     return StopRequests.current
 
 
-class deferred:
-    """``with deferred():`` a signal inside asks for a stop at the next :func:`stop_requested` check instead of
-    stopping at once (the training steps)."""
+class _Flag:
+    """Base of :class:`deferred`, :class:`polled` and :class:`shielded`: sets one of StopRequests' flags for a block."""
 
-    def __enter__(self) -> "deferred":
+    flag = ""
+
+    def __enter__(self) -> "_Flag":
         self.stop = StopRequests.current
         if self.stop is not None:
-            self.was, self.stop.deferring = self.stop.deferring, True
+            self.was = getattr(self.stop, self.flag)
+            setattr(self.stop, self.flag, True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.stop is not None:
-            self.stop.deferring = self.was
+            setattr(self.stop, self.flag, self.was)
+
+
+class deferred(_Flag):
+    """``with deferred():`` a signal inside asks for a stop at the next :func:`stop_requested` check instead of
+    stopping at once (the training steps)."""
+
+    flag = "deferring"
+
+
+class polled(_Flag):
+    """``with polled():`` a signal inside is only recorded; the block polls :func:`signals_received` and acts (a
+    driver waiting on a Ray task or a sweep's run passes it on and waits for that to stop)."""
+
+    flag = "polling"
+
+
+class shielded(_Flag):
+    """``with shielded():`` the end of a run (final checkpoint, final model, completion marker) is not cut by the
+    first signal or by the grace timer; a second signal still stops at once."""
+
+    flag = "shielding"
+
+
+def signals_received() -> tuple[int, Optional[int]]:
+    """(how many SIGTERM/SIGINT this run's process has received, the last one)."""
+    stop = StopRequests.current
+    return (0, None) if stop is None else (stop.received, stop.last_signum)
 
 
 def stop_requested() -> Optional[int]:

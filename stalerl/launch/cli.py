@@ -14,7 +14,6 @@ so ``--help`` and ``--dry-run`` return at once (``bench/cli_startup.py`` measure
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -137,31 +136,47 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
 
     for cfg in configs if kind != "slurm" else []:  # (a Slurm job's paths are checked inside the job)
         check_before_launch(cfg)  # paths and device of every point before the first starts
+    signum = None
     if kind == "local":
-        statuses = _run_local(config_path, runs, debug=debug)
+        statuses, signum = _run_local(config_path, runs, debug=debug)
     else:
         statuses = run_sweep_on(kind, config_path, runs, configs)
     rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
     out = write_summary(rows, run_dir(base).parent)
     print(out.read_text())
     print(f"sweep summary written to {out}")
+    if signum is not None:  # the interrupted run printed the one line; exit as a process killed by the signal
+        return 128 + signum
     return 0 if all(s == "ok" for s in statuses) else 1
 
 
-def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *, debug: bool = False) -> list[str]:
-    """One run after another, each in its own process (a failed run does not stop the sweep)."""
-    statuses = []
-    for i, (trial, ovr) in enumerate(runs, 1):
-        start = time.perf_counter()
-        print(f"[{i}/{len(runs)}] {trial}", flush=True)
-        # Each point's start-up overhead counts from its own launch, not from the sweep's (the env is inherited).
-        env = {**os.environ, LAUNCH_TIME_ENV: repr(time.time())}
-        res = subprocess.run([sys.executable, "-m", "stalerl.launch.cli", *_config_args(config_path), *ovr,
-                              *([DEBUG_FLAG] if debug else [])], env=env)
-        status = "ok" if res.returncode == 0 else f"failed ({res.returncode})"
-        print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
-        statuses.append(status)
-    return statuses
+def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
+               debug: bool = False) -> tuple[list[str], Optional[int]]:
+    """One run after another, each in its own process (a failed run does not stop the sweep). A SIGTERM/SIGINT is
+    passed on to the run in progress, which stops cleanly; the runs after it are not started. Returns the statuses
+    and that signal (None when none came)."""
+    from stalerl.core.interrupt import StopRequests, polled, signal_name, stop_requested
+    from stalerl.launch.launcher import run_child_passing_signals
+
+    statuses: list[str] = []
+    with StopRequests(), polled():  # a signal between two runs is recorded too: the next one is not started
+        for i, (trial, ovr) in enumerate(runs, 1):
+            if stop_requested() is not None:
+                break
+            start = time.perf_counter()
+            print(f"[{i}/{len(runs)}] {trial}", flush=True)
+            # Each point's start-up overhead counts from its own launch, not from the sweep's (the env is inherited).
+            env = {**os.environ, LAUNCH_TIME_ENV: repr(time.time())}
+            argv = [sys.executable, "-m", "stalerl.launch.cli", *_config_args(config_path), *ovr,
+                    *([DEBUG_FLAG] if debug else [])]
+            code, signum = run_child_passing_signals(argv, env)
+            status = "ok" if code == 0 else f"failed ({code})"
+            if signum is not None and code == 128 + signum:
+                status = f"interrupted ({signal_name(signum)})"
+            print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
+            statuses.append(status)
+        signum = stop_requested()
+    return statuses + ["not run (interrupted)"] * (len(runs) - len(statuses)), signum
 
 
 # Sweeps under a cluster scheduler. They live here, not in stalerl.launch.launcher, because a Ray sweep runs this

@@ -79,11 +79,7 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
         ref = task.remote(cfg, str(log_path) if tail else None, str(pid_path) if tail else None)
         with open(log_path, "rb") as log:
             log.seek(0, 2)  # this run's output only (an extended trial appends to the same file)
-            try:
-                _follow(ray, ref, log)
-            except RunInterrupted as exc:  # pass the signal on to the task, which stops as a local run does
-                _forward_signal(ray, ref, pid_path, exc.signum)
-                _follow(ray, ref, log, timeout=interrupt_grace() + 30.0)
+            _follow(ray, ref, log, pid_path)
         try:
             out = ray.get(ref, timeout=0)
         except ray.exceptions.RayTaskError as exc:
@@ -94,6 +90,7 @@ def _run_sync_on_ray(cfg: ExperimentConfig) -> dict[str, Any]:
                 raise cause from None
             raise
         except (ray.exceptions.GetTimeoutError, ray.exceptions.TaskCancelledError):
+            ray.cancel(ref, force=True)
             raise RunInterrupted(signal.SIGTERM, note="the task did not stop in time and was cancelled: no final "
                                  "checkpoint (the last one written, if any, is intact)") from None
         if isinstance(out, dict) and INTERRUPTED_KEY in out:
@@ -122,14 +119,25 @@ def _copy_new_output(log) -> None:
 INTERRUPTED_KEY = "__stalerl_interrupted__"
 
 
-def _follow(ray, ref, log, timeout: Optional[float] = None) -> None:
-    """Copy the task's new output to our stdout until it ends (or ``timeout`` seconds pass)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        done, _ = ray.wait([ref], timeout=0.2)
-        _copy_new_output(log)
-        if done or (deadline is not None and time.monotonic() > deadline):
-            return
+def _follow(ray, ref, log, pid_path: Path) -> None:
+    """Copy the task's new output to our stdout until it ends. A SIGTERM/SIGINT to this driver is only recorded
+    here (raised inside ``ray.wait`` it would become a ``SystemError``): each one is passed on to the task, which
+    stops as a local run does; the driver then waits at most the task's grace period (plus 30 s) for it."""
+    from stalerl.core.interrupt import polled, signals_received
+
+    forwarded, deadline = 0, None
+    with polled():
+        while True:
+            done, _ = ray.wait([ref], timeout=0.2)
+            _copy_new_output(log)
+            if done or (deadline is not None and time.monotonic() > deadline):
+                return
+            received, signum = signals_received()
+            if received > forwarded:
+                forwarded = received
+                _forward_signal(ray, ref, pid_path, signum)
+                if deadline is None:
+                    deadline = time.monotonic() + interrupt_grace() + 30.0
 
 
 def _forward_signal(ray, ref, pid_path, signum: int) -> None:
@@ -143,6 +151,30 @@ def _forward_signal(ray, ref, pid_path, signum: int) -> None:
     except (OSError, ValueError, AttributeError):
         pass
     ray.cancel(ref)
+
+
+def run_child_passing_signals(argv: list[str], env: dict[str, str]) -> tuple[int, Optional[int]]:
+    """Run ``argv`` (a run's own process) to its end; each SIGTERM/SIGINT this process gets meanwhile is passed on
+    to it, which stops as a run does (final checkpoint, summary.json ``interrupted``, its one line). A signal the
+    child got itself too (Ctrl-C reaches the whole process group) counts once there: it ignores a repeat within a
+    second. Call it inside ``StopRequests()`` (the signals are recorded there). Returns (the child's exit code, the
+    signal that asked us to stop or None)."""
+    import subprocess
+
+    from stalerl.core.interrupt import polled, signals_received, stop_requested
+
+    with polled():
+        proc = subprocess.Popen(argv, env=env)
+        forwarded, _ = signals_received()
+        while True:
+            try:
+                return proc.wait(timeout=0.2), stop_requested()
+            except subprocess.TimeoutExpired:
+                pass
+            received, signum = signals_received()
+            if received > forwarded:
+                forwarded = received
+                proc.send_signal(signum)
 
 
 def interrupt_grace() -> float:
@@ -164,11 +196,16 @@ def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Opt
         sys.stdout = sys.stderr = out
     if pid_path:
         Path(pid_path).write_text(str(os.getpid()))
+    # Ray's worker blocks SIGINT in its main thread (the mask outlives the task): unblocked for the run, so the
+    # driver's forwarded Ctrl-C reaches StopRequests as a SIGTERM does.
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     try:
         with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see _forward_signal)
             return train_with_summary(cfg)
     except RunInterrupted as exc:  # a BaseException would kill Ray's worker: hand it back as a value
         return {INTERRUPTED_KEY: {**exc.record(), "note": exc.note}}
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -177,8 +177,25 @@ class MetricsLogger:
                 return None
             # purge_step discards events at steps > resume_step written by the killed run, matching the JSONL file.
             purge = None if self.resume_step is None else self.resume_step + 1
-            self._tb_writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
+            _quiet_tensorboard_thread_errors()
+            self._tb_writer = self._tensorboard(SummaryWriter, log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                                                purge_step=purge)
         return self._tb_writer
+
+    def _tensorboard(self, call, *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)`` on TensorBoard's writer. Its events are written by a background thread, whose
+        error (a full disk, a read-only file system) comes back on a later call: the same one-line ResourceError as
+        for metrics.jsonl (whose lines are all whole), and the writer is dropped so closing does not raise it again."""
+        from stalerl.core.errors import resource_error
+
+        try:
+            return call(*args, **kwargs)
+        except OSError as exc:
+            resource = resource_error(exc, "TensorBoard events", self.run_dir / TENSORBOARD_DIR)
+            if resource is None:
+                raise
+            self._tb_writer, self._tb_enabled = None, False
+            raise resource from exc
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append ``{"step": step, **metrics}`` as one durable line; scalar values also go to TensorBoard.
@@ -203,25 +220,46 @@ class MetricsLogger:
                     continue
                 scalar = _scalar(value)
                 if scalar is not None:
-                    writer.add_scalar(key, scalar, global_step=step)
+                    self._tensorboard(writer.add_scalar, key, scalar, global_step=step)
 
     def flush(self) -> None:
         """Flush TensorBoard (the JSONL file is already durable after every :meth:`log`)."""
         if self._tb_writer is not None:
-            self._tb_writer.flush()
+            self._tensorboard(self._tb_writer.flush)
 
     def close(self) -> None:
         """Flush and close TensorBoard. Idempotent."""
-        if self._tb_writer is not None:
-            self._tb_writer.close()
-            self._tb_writer = None
         self._closed = True
+        if self._tb_writer is not None:
+            writer, self._tb_writer = self._tb_writer, None
+            self._tensorboard(writer.close)
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard's writer thread re-raises its write error, which Python prints as a thread traceback; a full disk
+    or read-only file system comes back in the main thread as one line (MetricsLogger._tensorboard), so only that
+    case is kept off the console (any other error of any thread is printed as before). Installed once."""
+    import threading
+
+    from stalerl.core.errors import resource_error
+
+    previous = threading.excepthook
+    if getattr(previous, "_stalerl_quiet_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and resource_error(args.exc_value, "", "") is not None:
+            return
+        previous(args)
+
+    hook._stalerl_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 # ------------------------------------------------------------------------------------------- console reporting

@@ -163,8 +163,8 @@ class AsyncTrainer(Trainer):
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",
                                    dict(cfg=self.cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
+            self.outstanding[w.role] = 0  # first: the dispatcher (already running) reads it for every listed worker
             self.rollout_workers.append(w)
-            self.outstanding[w.role] = 0
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
         self._connect_nccl_senders()
 
@@ -426,6 +426,7 @@ class AsyncTrainer(Trainer):
         with self.cond:
             state = super().checkpoint_state(actor_state)
             state["metric_rows_held"] = list(self.eval_logger.held) if getattr(self, "eval_logger", None) else []
+            self.saved_with_held_rows = bool(state["metric_rows_held"])
             state["manager"] = self.manager.state_dict()
             state["prompts"] = list(self.prompts)
             state["dataset"] = self.dataset.state_dict()

@@ -69,6 +69,9 @@ _FINAL_RE = re.compile(r"^step_(\d+)$")
 _ASIDE_RE = re.compile(r"^step_(\d+)\.old-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^step_(\d+)\.(?:tmp|del)-(\d+)$")
 _HASH_CHUNK = 1 << 20
+# Test hook: seconds to pause with the checkpoint written but not yet renamed into place, so a test can land a real
+# signal inside a save (tests/e2e/test_faults.py). Unset (always, outside those tests): no pause.
+PAUSE_ENV = "STALERL_TEST_CHECKPOINT_PAUSE_S"
 
 
 class CheckpointError(RuntimeError):
@@ -158,6 +161,8 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any], *, keep
             fh.flush()
             os.fsync(fh.fileno())
         fsync_dir(tmp)  # the directory entries of state.pt/meta.json must be durable before the rename
+        if os.environ.get(PAUSE_ENV):
+            time.sleep(float(os.environ[PAUSE_ENV]))
 
         aside: Path | None = None
         if final.exists():

@@ -7,6 +7,7 @@ one process and one model here, so the engine always samples from the trainer's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -96,6 +97,8 @@ def peak_memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 class Trainer:
+    saved_with_held_rows = False  # the last checkpoint held metric rows back (only the asynchronous trainer holds any)
+
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
@@ -347,11 +350,17 @@ class Trainer:
             logger.log(0, summary)
             self.log(format_summary(0, summary, ("warm_start/final_loss", "eval/accuracy")))
         self.on_training_start()
-        with interrupt.deferred():  # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt)
-            return self._train_steps(logger, resumed)
+        # SIGTERM/SIGINT: stop at the end of the step in progress (stalerl.core.interrupt); from the end of the last
+        # step on (its checkpoint, the final model, finished.json) neither a signal nor the grace timer cuts the run
+        # short: it ends finished, with its marker (interrupt.shielded, entered on `final`).
+        with interrupt.deferred(), contextlib.ExitStack() as final:
+            return self._train_steps(logger, resumed, final)
 
-    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int]) -> dict[str, Any]:
+    def _train_steps(self, logger: MetricsLogger, resumed: Optional[int],
+                     final: contextlib.ExitStack) -> dict[str, Any]:
         cfg = self.cfg
+        if self.step >= self.total_steps:  # resumed at the end: only the final save is left
+            final.enter_context(interrupt.shielded())
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
@@ -368,6 +377,8 @@ class Trainer:
                 logger.log(self.step, last)
                 logger.close()
                 raise TrainingDiverged(self.step, ", ".join(bad))
+            if self.step >= self.total_steps:
+                final.enter_context(interrupt.shielded())
             if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
                 last["timing/startup_overhead_s"] = startup_s
                 startup_s = None
@@ -399,11 +410,16 @@ class Trainer:
         """A SIGTERM/SIGINT arrived during this step: checkpoint it (the same checkpoint a periodic one of this step
         is, so a resume continues exactly), then stop with RunInterrupted."""
         progress.close()
-        logger.close()
+        # Evaluations still running (the asynchronous trainer's, on rollout workers) end first, within the grace:
+        # their rows are written whole, so no row is held back in the checkpoint and written again on resume. The
+        # logger stays open until the checkpoint is saved (saving merges finished evaluations into it).
+        self.log_finished_evaluations(logger, wait=True)
         if self.cfg.recover.mode == "disabled":
+            logger.close()
             raise interrupt.stop_now(step=self.step, note="no final checkpoint (recover.mode=disabled)")
-        if not saved:
+        if not saved or self.saved_with_held_rows:  # again when this step's periodic one held rows now written
             self.save_checkpoint()
+        logger.close()
         raise interrupt.stop_now(step=self.step, checkpoint_step=self.step)
 
     def steps_per_epoch(self) -> int:

@@ -212,6 +212,26 @@ def test_disk_full_during_a_metrics_write_leaves_only_whole_lines(tmp_path):
 
 
 @pytest.mark.slow
+def test_disk_full_during_a_tensorboard_write_is_the_same_one_line(tmp_path):
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "runs" / EXP / "tb"
+    events = run / "tensorboard"
+    events.mkdir(parents=True)  # only TensorBoard's folder is on the small disk: metrics.jsonl has room
+    args = small_overrides(tmp_path, **{"trial_name": "tb", "total_train_steps": 200, "stats_logger.tensorboard": True,
+                                        "saver.save_final": False})
+    res = in_namespace(f"mount -t tmpfs -o size=16k tmpfs {events} && {{ {_q(_cmd(args))}; echo EXIT=$?; }}")
+    exit_code = int(next(ln for ln in res.stdout.splitlines() if ln.startswith("EXIT="))[5:])
+    lines = stalerl_lines(res.stderr)
+    assert exit_code == 2, res.stderr[-3000:]
+    assert len(lines) == 1 and "could not write TensorBoard events" in lines[0] and "No space left" in lines[0], lines
+    assert "Traceback" not in res.stderr
+    raw = (run / "metrics.jsonl").read_bytes()
+    steps = [json.loads(line)["step"] for line in raw.decode().splitlines()]  # every line whole
+    assert raw.endswith(b"\n") and steps == list(range(len(steps))) and 1 < len(steps) < 200
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
 def test_dev_shm_too_small_for_shared_memory_weights_is_refused_and_leaves_no_segment(tmp_path):
     args = small_overrides(tmp_path, **{"rollout.fixed_staleness": 0, "rollout.max_head_offpolicyness": 2})
     res = in_namespace("mount -t tmpfs -o size=1m tmpfs /dev/shm && { " + _q(_cmd(args))
@@ -307,6 +327,63 @@ def test_sigterm_during_the_warm_start_stops_at_once_with_a_summary(tmp_path):
     assert_one_line(res, 143, "interrupted by SIGTERM", "no final checkpoint")
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["interrupted"]["checkpoint_step"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_signal_to_a_local_sweep_stops_its_run_cleanly_and_starts_no_other(tmp_path, sig, group):
+    """SIGTERM to the sweep's process (passed on to the run in progress) or Ctrl-C to the group (both get it)."""
+    name = signal.Signals(sig).name
+    common = small_overrides(tmp_path, **{"total_train_steps": 10, "recover.mode": "auto", "recover.freq_steps": 50,
+                                          "rollout.fixed_staleness": 1, "trial_name": "sw"})
+    runs = tmp_path / "runs" / EXP
+    first, second = runs / "sw-loss=m2po", runs / "sw-loss=vanilla"
+    res = _signal_after_steps([*common, "actor.loss=m2po,vanilla"], first, 2, sig, group=group)
+    s = _assert_interrupted(res, first, sig)  # the run's own line is the sweep's one line
+    assert not second.exists()  # not started after the signal
+    table = (runs / "sweep_summary.md").read_text()
+    assert f"interrupted ({name})" in table and "not run (interrupted)" in table
+    leftover = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
+    assert not leftover, leftover
+    # the same sweep command again: the interrupted run resumes from its final checkpoint, the other one runs
+    again = run_cli([*common, "actor.loss=m2po,vanilla"])
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"resumed from checkpoint at step {s['interrupted']['checkpoint_step']}" in again.stdout
+    for run in (first, second):
+        assert [r["step"] for r in read_metrics(run)] == list(range(11))
+        assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_final_checkpoint_lets_the_run_finish_with_its_marker(tmp_path):
+    # the final save pauses (a test hook) with its checkpoint written but not yet in place; SIGTERM lands there
+    args = small_overrides(tmp_path, **{"total_train_steps": 4, "recover.mode": "auto", "recover.freq_steps": 50,
+                                        "trial_name": "last"})
+    run = tmp_path / "runs" / EXP / "last"
+    env = {**_env(), "STALERL_TEST_CHECKPOINT_PAUSE_S": "3", "STALERL_STOP_GRACE_S": "1"}
+    proc = subprocess.Popen(_cmd(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list((run / "checkpoints").glob("step_4.tmp-*")):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)  # the pause (3 s) outlasts the grace (1 s): no cut either
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert not stalerl_lines(err), err[-3000:]
+    assert "SIGTERM received after the last step: finishing the run's final save" in out
+    assert json.loads((run / "finished.json").read_text())["step"] == 4
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_4"
+    from stalerl.training.checkpoint import load_latest_checkpoint
+
+    assert load_latest_checkpoint(run)[0] == 4  # the sha256 of step 4 checks out
+    assert not list((run / "checkpoints").glob("*.tmp-*"))
+    assert [r["step"] for r in read_metrics(run)] == list(range(5))
 
 
 # -------------------------------------------------------------------------------------------- data fits

@@ -212,7 +212,7 @@ class SlurmCluster:
             "MailProg=/bin/true",
             "ReturnToService=2",
             "MinJobAge=3600",
-            "KillWait=2",
+            "KillWait=30",  # Slurm's default: scancel's SIGTERM, then SIGKILL 30 s later (a run stops within its grace)
             "InactiveLimit=0",
             f"NodeName={self.node} NodeAddr=127.0.0.1 {' '.join(hw_fields)} RealMemory={int(mem_kb / 1024 * 0.95)} "
             "State=UNKNOWN",

@@ -124,9 +124,11 @@ def test_sweep_2x2_runs_concurrently_on_ray(tmp_path):
     assert "pid=" not in res.stdout + res.stderr
 
 
-def _sigterm_after_steps(cmd, run, steps):
-    """Start ``cmd``, SIGTERM its driver once ``steps`` train steps are logged; (returncode, stdout, stderr)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _signal_after_steps(cmd, run, steps, sig=signal.SIGTERM, group=False):
+    """Start ``cmd``, signal its driver (``group``: its whole process group, as a terminal's Ctrl-C does) once
+    ``steps`` train steps are logged; (returncode, stdout, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)
     try:
         deadline = time.time() + 300
         while True:
@@ -138,7 +140,7 @@ def _sigterm_after_steps(cmd, run, steps):
                 pass
             assert time.time() < deadline
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        (os.killpg if group else os.kill)(proc.pid, sig)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -147,22 +149,29 @@ def _sigterm_after_steps(cmd, run, steps):
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("trial, extra", [
-    ("ray-async-term", {"rollout.max_head_offpolicyness": 1}),  # the controller is the driver; actors are stopped
-    # not yet: the sync loop as a Ray task (a signal raised inside ray.wait becomes a SystemError in the driver)
+@pytest.mark.parametrize("trial, extra, sig, group", [
+    ("ray-async-term", {"rollout.max_head_offpolicyness": 1}, signal.SIGTERM, False),  # driver = controller
+    ("ray-async-ctrl-c", {"rollout.max_head_offpolicyness": 1}, signal.SIGINT, True),
+    # the sync loop as a Ray task: the driver only records the signal (raised inside ray.wait it became a
+    # SystemError, exit 1) and passes it on to the task, which stops as a local run does
+    ("ray-sync-term", {}, signal.SIGTERM, False),
+    ("ray-sync-int", {}, signal.SIGINT, False),
+    ("ray-sync-ctrl-c", {}, signal.SIGINT, True),  # the driver, Ray's own processes and the task's all get it
 ])
-def test_sigterm_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial, extra):
+def test_signal_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial, extra, sig, group):
     import json
 
     cmd = _cmd(tmp_path, trial, **{"total_train_steps": 40, "recover.mode": "auto", "recover.freq_steps": 50,
                                    **extra})
     run = tmp_path / "runs" / "gsm8k-m2po-cpu" / trial
-    code, out, err = _sigterm_after_steps(cmd, run, 2)
+    code, out, err = _signal_after_steps(cmd, run, 2, sig, group)
+    name = signal.Signals(sig).name
     lines = [ln for ln in err.splitlines() if ln.startswith("stalerl: ")]
-    assert code == 143, err[-3000:]
-    assert len(lines) == 1 and "interrupted by SIGTERM at step" in lines[0] and "final checkpoint of step" in lines[0]
+    assert code == 128 + sig, err[-3000:]
+    assert len(lines) == 1 and f"interrupted by {name} at step" in lines[0] and "final checkpoint of step" in lines[0]
+    assert "SystemError" not in err + out
     s = json.loads((run / "summary.json").read_text())
-    assert s["status"] == "interrupted" and s["interrupted"]["signal"] == "SIGTERM"
+    assert s["status"] == "interrupted" and s["interrupted"]["signal"] == name
     step = s["interrupted"]["checkpoint_step"]
     assert (run / "checkpoints" / f"step_{step}").is_dir() and step < 40
     assert [r["step"] for r in read_metrics(run)] == list(range(step + 1))

@@ -8,6 +8,7 @@ submission sbatch rejects. Without Slurm (binaries missing, not root, daemons no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_CONFIG
+from conftest import CPU_CONFIG, REPO
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 from stalerl.config import ConfigError, load_config, run_dir
 from stalerl.schedulers import slurm
@@ -565,3 +566,62 @@ def test_slurm_job_exit_code_is_returned(slurm_cluster, tmp_path, capsys):
     assert slurm.launch_slurm(cfg, None, []) == 3
     err = capsys.readouterr().err
     assert "failed: FAILED (exit code 3" in err and "about to fail with 3" in err.split("last 40 lines of", 1)[1]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scancel_stops_the_run_cleanly_and_resubmitting_resumes_exactly(slurm_cluster, tmp_path, capsys, monkeypatch):
+    """A real ``scancel``: Slurm sends SIGTERM to the job (its shell passes it on to the run too); the run stops at the
+    end of its step with a final checkpoint and summary.json ``interrupted``; the same submission again resumes and
+    logs what an uninterrupted run logs."""
+    import threading
+
+    from stalerl.results.metrics_log import read_metrics
+
+    monkeypatch.delenv(LAUNCH_TIME_ENV, raising=False)
+    over = {"scheduler.slurm.inner_scheduler": "local", "total_train_steps": 10, "recover.mode": "auto",
+            "recover.freq_steps": 4, "rollout.fixed_staleness": 1, "evaluator.freq_steps": 5}
+    reference = tiny_overrides(tmp_path, **{**over, "scheduler.type": "local", "trial_name": "uninterrupted"})
+    res = subprocess.run([sys.executable, "-m", "stalerl.launch.cli", "--config", str(CPU_CONFIG), *reference],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg = tiny_cfg(tmp_path, **{**over, "trial_name": "cancelled"})
+    run = run_dir(cfg)
+    result: dict = {}
+    follower = threading.Thread(target=lambda: result.update(rc=slurm.launch_slurm(cfg, str(CPU_CONFIG), [])))
+    follower.start()
+    deadline = time.time() + 300
+    while True:  # two train steps logged (+ the step-0 line), then scancel
+        assert follower.is_alive() and time.time() < deadline, capsys.readouterr()
+        with contextlib.suppress(FileNotFoundError):
+            if len(read_metrics(run)) >= 3:
+                break
+        time.sleep(0.1)
+    job_id = json.loads((run / "slurm" / "job.json").read_text())["job_id"]
+    subprocess.run(["scancel", job_id], check=True)
+    follower.join(timeout=120)
+    assert not follower.is_alive()
+    captured = capsys.readouterr()
+    log = Path(json.loads((run / "slurm" / "job.json").read_text())["log"]).read_text()
+    # the job's log holds the run's stdout and stderr: the note on receipt, then the run's one line
+    lines = [ln for ln in log.splitlines() if ln.startswith("stalerl: ") and "received: stopping" not in ln]
+    assert len(lines) == 1, log[-3000:]
+    assert "interrupted by SIGTERM at step" in lines[0] and "final checkpoint of step" in lines[0], lines
+    assert "Traceback" not in log
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted"]["signal"] == "SIGTERM"
+    step = s["interrupted"]["checkpoint_step"]
+    assert step < 10 and (run / "checkpoints" / f"step_{step}").is_dir()
+    assert [r["step"] for r in read_metrics(run)] == list(range(step + 1))
+    # the submitting command: one line (not a failure's log tail), the run's own exit code
+    err = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert result["rc"] == 143 and len(err) == 1, captured.err[-3000:]
+    assert f"job {job_id} CANCELLED" in err[0] and "the run was interrupted by SIGTERM at step" in err[0], err
+    # the same submission again: resumes from the final checkpoint, and the metrics are the uninterrupted run's
+    assert slurm.launch_slurm(cfg, str(CPU_CONFIG), []) == 0
+    assert f"resumed from checkpoint at step {step}" in capsys.readouterr().out
+    timing = ("timing/", "throughput/", "memory/", "warm_start/sec")
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows]
+    assert comparable(read_metrics(run)) == comparable(read_metrics(run.parent / "uninterrupted"))

@@ -244,21 +244,20 @@ def test_a_model_directory_without_config_json_is_named(tmp_path):
 def test_local_sweep_points_count_start_up_from_their_own_launch(monkeypatch):
     """A sweep's points run one after another; each gets its own launch time (the parent's would count the earlier
     points as this one's start-up overhead)."""
-    import subprocess
     import time
 
-    from stalerl.launch import cli
+    from stalerl.launch import cli, launcher
     from stalerl.core.launch_env import LAUNCH_TIME_ENV
 
     monkeypatch.setenv(LAUNCH_TIME_ENV, repr(time.time() - 1000.0))  # the sweep started long ago
     seen = []
 
-    def fake_run(cmd, env=None, **kw):
+    def fake_run(cmd, env):
         seen.append((float((env or {}).get(LAUNCH_TIME_ENV, "nan")), time.time()))
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0, None  # exit code 0, no signal
 
-    monkeypatch.setattr(cli.subprocess, "run", fake_run)
-    assert cli._run_local(None, [("a", ["seed=1"]), ("b", ["seed=2"])]) == ["ok", "ok"]
+    monkeypatch.setattr(launcher, "run_child_passing_signals", fake_run)
+    assert cli._run_local(None, [("a", ["seed=1"]), ("b", ["seed=2"])]) == (["ok", "ok"], None)
     assert len(seen) == 2 and all(0 <= called - launched < 5 for launched, called in seen)
 
 

@@ -88,6 +88,20 @@ def _startup_report(run_dir: Path, observed: Optional[float], submitted: float) 
     return "; ".join(parts) if parts else "no training step was logged"
 
 
+def _interruption(run_dir: Path, since: float) -> Optional[dict]:
+    """This job's run's summary.json when it records a SIGTERM/SIGINT interruption (stalerl.core.interrupt)."""
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "interrupted" or not isinstance(summary.get("interrupted"), dict):
+        return None
+    return summary
+
+
 def follow_job(job_id: str, log_path: Path, run_dir_: Path, *, submitted: float, poll_s: float = 1.0,
                timeout_s: Optional[float] = None, tail_lines: int = 40, stream: bool = True) -> int:
     """Wait for a submitted job, streaming its log; report success (with start-up time) or failure (state, exit
@@ -110,6 +124,11 @@ def follow_job(job_id: str, log_path: Path, run_dir_: Path, *, submitted: float,
               f"{_startup_report(Path(run_dir_), follower.first_step.get(str(job_id)), submitted)}", flush=True)
         print(f"[slurm] log: {log_path}")
         return 0
+    stopped = _interruption(Path(run_dir_), submitted)
+    if stopped is not None:  # scancel / the time limit: the run stopped cleanly (not a failure), and resumes
+        print(f"[slurm] job {job_id} {info.state} after {elapsed:.1f}s: the run was {stopped['error']}; log: "
+              f"{log_path}", file=sys.stderr, flush=True)
+        return 128 + int(stopped["interrupted"]["signum"])
     print(f"[slurm] job {job_id} failed: {info.describe()} after {elapsed:.1f}s; log: {log_path}", file=sys.stderr)
     if tail_lines:
         print(f"[slurm] last {tail_lines} lines of {log_path}:\n{_tail(Path(log_path), tail_lines)}",
