@@ -136,11 +136,10 @@ def run_sweep(config_path: Optional[str], overrides: list[str], *, dry_run: bool
 
     for cfg in configs if kind != "slurm" else []:  # (a Slurm job's paths are checked inside the job)
         check_before_launch(cfg)  # paths and device of every point before the first starts
-    signum = None
     if kind == "local":
         statuses, signum = _run_local(config_path, runs, debug=debug)
     else:
-        statuses = run_sweep_on(kind, config_path, runs, configs)
+        statuses, signum = run_sweep_on(kind, config_path, runs, configs)
     rows = [summarize_run(run_dir(cfg), status) for cfg, status in zip(configs, statuses)]
     out = write_summary(rows, run_dir(base).parent)
     print(out.read_text())
@@ -181,14 +180,15 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
 
 # Sweeps under a cluster scheduler. They live here, not in stalerl.launch.launcher, because a Ray sweep runs this
 # CLI inside each task: the imports go one way only, cli -> launcher.
-def run_sweep_on(kind: str, config_path, runs, configs) -> list[str]:
-    """Run the sweep's runs under a cluster scheduler; returns one status per run."""
+def run_sweep_on(kind: str, config_path, runs, configs) -> tuple[list[str], Optional[int]]:
+    """Run the sweep's runs under a cluster scheduler; returns one status per run and the signal that interrupted
+    the sweep (None when none did). A Slurm job array's tasks each handle their own signal (scancel) as a run does."""
     if kind == "ray":
         return _run_sweep_on_ray(config_path, runs, configs)
     if kind == "slurm":
         from stalerl.schedulers.slurm import run_sweep
 
-        return run_sweep(config_path, runs, configs)
+        return run_sweep(config_path, runs, configs), None
     raise ValueError(f"unknown scheduler.type {kind!r}")
 
 
@@ -203,11 +203,12 @@ def run_cpus(cfg: ExperimentConfig) -> float:
     return float(cfg.torch_threads * processes)
 
 
-def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
+def _run_sweep_on_ray(config_path, runs, configs) -> tuple[list[str], Optional[int]]:
     """Every run as one Ray task holding the CPUs (and GPUs) it needs, so Ray runs as many at once as fit. Inside
     its task a run uses the local scheduler for its own worker processes. A run that could never fit is refused
     before any is submitted. On a local cluster each run's console goes to ``<run_dir>/logs/console.log`` (runs
-    proceed at once, so their lines would interleave); the driver prints one status line per run."""
+    proceed at once, so their lines would interleave); the driver prints one status line per run as it ends.
+    A SIGTERM/SIGINT to the driver stops the sweep cleanly (see :func:`_wait_for_sweep_tasks`)."""
     from stalerl.launch.preflight import check_ray_fit, ray_is_this_machine
     from stalerl.training.workers.hosting import import_ray, init_ray, worker_resources
 
@@ -221,39 +222,102 @@ def _run_sweep_on_ray(config_path, runs, configs) -> list[str]:
             ask = {"CPU": run_cpus(cfg), "GPU": worker_resources(cfg).gpus}
             check_ray_fit(ask, have, f"sweep run {trial}", "lower torch_threads or the backends' sizes")
             asks.append(ask)
-        refs, logs = [], []
+        refs, logs, pid_paths = [], [], []
         for (trial, overrides), cfg, ask in zip(runs, configs, asks):
             argv = (["--config", str(config_path)] if config_path else []) + [*overrides, "scheduler.type=local"]
             log_path = run_dir(cfg) / "logs" / "console.log" if to_files else None
+            # the task writes its pid here once it runs, so that a signal reaches its process (same machine only)
+            pid_path = run_dir(cfg) / "logs" / "sweep_task.pid" if to_files else None
+            if pid_path is not None:
+                pid_path.parent.mkdir(parents=True, exist_ok=True)
+                pid_path.unlink(missing_ok=True)
             task = ray.remote(max_calls=1)(_cli_in_task).options(num_cpus=ask["CPU"], num_gpus=ask["GPU"],
                                                                  max_retries=0)
-            refs.append(task.remote(argv, str(log_path) if log_path else None))
+            refs.append(task.remote(argv, str(log_path) if log_path else None, str(pid_path) if pid_path else None))
             logs.append(log_path)
-        statuses = []
-        for (trial, _), ref, log_path in zip(runs, refs, logs):
-            try:
-                code = ray.get(ref)
-                statuses.append("ok" if code == 0 else f"failed ({code})")
-            except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
-                statuses.append(f"failed ({type(exc).__name__})")
-            print(f"{trial}: {statuses[-1]}" + (f" (log: {log_path})" if log_path else ""), flush=True)
-        return statuses
+            pid_paths.append(pid_path)
+        return _wait_for_sweep_tasks(ray, [trial for trial, _ in runs], refs, logs, pid_paths)
     finally:
         if started:
             ray.shutdown()
 
 
-def _cli_in_task(argv: list[str], log_path: Optional[str] = None) -> int:
+def _wait_for_sweep_tasks(ray, trials: list[str], refs: list, logs: list, pid_paths: list
+                          ) -> tuple[list[str], Optional[int]]:
+    """Each run's status, printed as it ends. A SIGTERM/SIGINT to this driver is only recorded (raised inside
+    ``ray.wait`` it would become a ``SystemError``) and passed on to every run still going, which stops as a local
+    run does (final checkpoint, ``summary.json`` interrupted); a run Ray has not started yet is cancelled (``not run
+    (interrupted)``). The driver waits at most the grace period (plus 30 s) for the runs to stop, then cancels them.
+    Returns the statuses in the sweep's order and the signal (None when none came)."""
+    from stalerl.core.interrupt import StopRequests, polled, signal_name, signals_received
+    from stalerl.launch.launcher import forward_signal, interrupt_grace
+
+    statuses: dict[int, str] = {}
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending, forwarded, deadline, signum = list(refs), 0, None, None
+    with StopRequests(), polled():
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            for ref in done:
+                i = index[ref]
+                statuses[i] = _sweep_task_status(ray, ref, signum)
+                print(f"{trials[i]}: {statuses[i]}" + (f" (log: {logs[i]})" if logs[i] else ""), flush=True)
+            received, latest = signals_received()
+            if received > forwarded and pending:
+                forwarded, signum = received, latest
+                for ref in pending:
+                    forward_signal(ray, ref, pid_paths[index[ref]], latest)
+                if deadline is None:
+                    deadline = time.monotonic() + interrupt_grace() + 30.0
+            if pending and deadline is not None and time.monotonic() > deadline:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                    statuses[index[ref]] = "failed (did not stop in time after the signal: cancelled)"
+                break
+        if signum is None:
+            signum = signals_received()[1]
+    if signum is not None:
+        print(f"sweep interrupted by {signal_name(signum)}", flush=True)
+    return [statuses[i] for i in range(len(refs))], signum
+
+
+def _sweep_task_status(ray, ref, signum: Optional[int]) -> str:
+    try:
+        code = ray.get(ref, timeout=0)
+    except ray.exceptions.TaskCancelledError:
+        return "not run (interrupted)" if signum is not None else "failed (TaskCancelledError)"
+    except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
+        return f"failed ({type(exc).__name__})"
+    if code == 0:
+        return "ok"
+    if signum is not None and code == 128 + signum:
+        from stalerl.core.interrupt import signal_name
+
+        return f"interrupted ({signal_name(signum)})"
+    return f"failed ({code})"
+
+
+def _cli_in_task(argv: list[str], log_path: Optional[str] = None, pid_path: Optional[str] = None) -> int:
+    import signal
+
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         out = open(log_path, "a", buffering=1)
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         sys.stdout = sys.stderr = out
+    if pid_path:
+        with open(pid_path, "w") as f:
+            f.write(str(os.getpid()))
     # by name: under `python -m stalerl.launch.cli` this module is __main__, whose functions Ray would pickle by value
     from stalerl.launch.cli import main
 
-    return main(argv)
+    # Ray's worker blocks SIGINT in its main thread: unblocked for the run, so a forwarded Ctrl-C stops it cleanly
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        return main(argv)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 if __name__ == "__main__":

@@ -135,20 +135,20 @@ def _follow(ray, ref, log, pid_path: Path) -> None:
             received, signum = signals_received()
             if received > forwarded:
                 forwarded = received
-                _forward_signal(ray, ref, pid_path, signum)
+                forward_signal(ray, ref, pid_path, signum)
                 if deadline is None:
                     deadline = time.monotonic() + interrupt_grace() + 30.0
 
 
-def _forward_signal(ray, ref, pid_path, signum: int) -> None:
+def forward_signal(ray, ref, pid_path: Optional[Path], signum: int) -> None:
     """The task's process gets the signal itself when it runs on this machine (it wrote its pid), else Ray's
     cancellation (a KeyboardInterrupt in the task: SIGINT)."""
     import os
 
     try:
-        os.kill(int(pid_path.read_text()), signum)
+        os.kill(int(Path(pid_path).read_text()), signum)
         return
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, TypeError):  # no pid (yet), or not on this machine
         pass
     ray.cancel(ref)
 
@@ -200,7 +200,7 @@ def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Opt
     # driver's forwarded Ctrl-C reaches StopRequests as a SIGTERM does.
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     try:
-        with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see _forward_signal)
+        with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see forward_signal)
             return train_with_summary(cfg)
     except RunInterrupted as exc:  # a BaseException would kill Ray's worker: hand it back as a value
         return {INTERRUPTED_KEY: {**exc.record(), "note": exc.note}}

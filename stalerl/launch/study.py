@@ -320,8 +320,8 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     elif todo:
         from stalerl.launch.cli import run_sweep_on
 
-        statuses = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
-                                [c for _, c in todo])
+        statuses, _ = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
+                                   [c for _, c in todo])  # an interrupted run has no finished summary: re-run
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
 
     # 3. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of

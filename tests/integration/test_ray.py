@@ -176,3 +176,44 @@ def test_signal_stops_a_ray_run_cleanly_with_a_final_checkpoint(tmp_path, trial,
     assert (run / "checkpoints" / f"step_{step}").is_dir() and step < 40
     assert [r["step"] for r in read_metrics(run)] == list(range(step + 1))
     assert "Traceback" not in err and "worker" not in err
+
+
+def test_sigterm_to_a_ray_sweep_stops_every_run_cleanly(tmp_path):
+    """Two runs at once as Ray tasks; SIGTERM to the sweep's driver once both train: the driver only records it (no
+    SystemError) and passes it on to each run, which stops as a local run does (summary.json interrupted, a final
+    checkpoint); the sweep summary says so and the driver exits 143."""
+    import json
+
+    cmd = _cmd(tmp_path, "swsig", **{"actor.loss": "m2po,vanilla", "total_train_steps": 40, "recover.mode": "auto",
+                                     "recover.freq_steps": 50})
+    root = tmp_path / "runs" / "gsm8k-m2po-cpu"
+    runs = [root / "swsig-loss=m2po", root / "swsig-loss=vanilla"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if all(len(read_metrics(run)) > 1 for run in runs):
+                    break
+            except FileNotFoundError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    assert "SystemError" not in out + err and "Traceback" not in err
+    assert "sweep interrupted by SIGTERM" in out
+    summary = (root / "sweep_summary.md").read_text()
+    assert summary.count("interrupted (SIGTERM)") == 2, summary
+    for run in runs:
+        s = json.loads((run / "summary.json").read_text())
+        assert s["status"] == "interrupted" and s["interrupted"]["signal"] == "SIGTERM"
+        step = s["interrupted"]["checkpoint_step"]
+        assert step is not None and (run / "checkpoints" / f"step_{step}").is_dir() and step < 40
+        assert [r["step"] for r in read_metrics(run)] == list(range(step + 1))
