@@ -337,6 +337,14 @@ class VLLMRolloutEngine:
         if self.weight_sync == "ipc":
             # CUDA IPC handles open only in another process: the engine core gets its own (see module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            # The IPC update info reaches that process through LLM.update_weights -> collective_rpc, whose msgpack
+            # encoder refuses the handles' rebuild args (tensor/storage classes, torch.dtype) unless pickle is
+            # allowed (vllm/v1/serial_utils.py:220 encode, :476 decode; the handles: ipc_engine.py:397-399). Set
+            # before LLM() so the engine core inherits it (it caches vLLM's env at start, v1/engine/core.py:258),
+            # and left set: every later update is encoded with it. Both ends are this run's own processes.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            print("vLLM weight sync: ipc sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickled IPC handles between this "
+                  "process and its engine core)", flush=True)
         kv_gb = o.kv_cache_memory_gb
         if kv_gb is None and cpu:
             kv_gb = CPU_KV_CACHE_GB

@@ -2,10 +2,11 @@
 
 The inference side is vLLM's public weight-transfer API: the worker's engine starts with
 ``WeightTransferConfig(backend="nccl")``, joins the trainer's group once with ``init_weight_transfer_engine``
-(:func:`worker_init_info`: rank offset 1, the trainer is rank 0) and installs each version with
-``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, whose update info (:func:`update_info_for`:
-names, dtype names, shapes, ``packed=False``) says what the trainer broadcasts, in that order, one NCCL broadcast per
-tensor from rank 0.
+(:func:`worker_init_info`: rank offset 1, the trainer is rank 0, ``packed=False``: unpacked is a wire parameter
+of the init info in vLLM 0.32) and installs each version with ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``, whose update info (:func:`update_info_for`: names, dtype names, shapes) says what the
+trainer broadcasts, in that order, one NCCL broadcast per tensor from rank 0. Both dicts are checked against vLLM's
+own parsing (``NCCLWeightTransferInitInfo`` / ``NCCLWeightTransferUpdateInfo``) in tests/rollout_vllm/test_vllm_api.py.
 
 The trainer side (the controller, train rank 0) is :class:`NCCLWeightSender`: vLLM's own group primitives
 (``StatelessProcessGroup`` + ``PyNcclCommunicator``, what vLLM's NCCL engine builds its group from) and one broadcast
@@ -43,16 +44,24 @@ def worker_init_info(master_address: str, master_port: int, tensor_parallel_size
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     if not 0 < int(master_port) < 65536:
         raise ValueError(f"master_port must be a TCP port (1..65535), got {master_port}")
+    # vLLM 0.32 reads `packed` from the init info (vllm/distributed/weight_transfer/nccl_common.py:101,
+    # NCCLWeightTransferInitInfo; nccl_engine.py:152 stores it for every later receive): False is its default, said
+    # here so the worker's loop is the one-tensor-per-broadcast loop NCCLWeightSender feeds.
     return {"master_address": str(master_address), "master_port": int(master_port),
-            "rank_offset": WORKER_RANK_OFFSET, "world_size": WORKER_RANK_OFFSET + int(tensor_parallel_size)}
+            "rank_offset": WORKER_RANK_OFFSET, "world_size": WORKER_RANK_OFFSET + int(tensor_parallel_size),
+            "packed": False}
 
 
 def update_info_for(params: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """The ``update_info`` of vLLM's ``update_weights`` for broadcasting ``params`` in order, unpacked (the
-    receiver allocates each tensor from its name / dtype / shape and receives it with one broadcast)."""
+    receiver allocates each tensor from its name / dtype / shape and receives it with one broadcast).
+
+    Exactly the fields of vLLM 0.32's NCCLWeightTransferUpdateInfo (vllm/distributed/weight_transfer/
+    nccl_engine.py:93-95): its parse_update_info (base.py:441) refuses any other key, so ``packed`` is not here (it
+    moved to the init info, :func:`worker_init_info`)."""
     return {"names": [name for name, _ in params],
             "dtype_names": [str(t.dtype).replace("torch.", "") for _, t in params],
-            "shapes": [list(t.shape) for _, t in params], "packed": False}
+            "shapes": [list(t.shape) for _, t in params]}
 
 
 def snapshot_parameters(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> list[tuple[str, torch.Tensor]]:
@@ -68,13 +77,15 @@ def snapshot_parameters(model: torch.nn.Module, dtype: Optional[torch.dtype]) ->
 
 
 def _vllm_group(master_address: str, master_port: int, world_size: int, device: torch.device):
-    """Rank 0 of a vLLM weight-transfer group (blocks until every worker rank has joined)."""
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+    """Rank 0 of a vLLM weight-transfer group (blocks until every worker rank has joined).
 
-    pg = StatelessProcessGroup.create(host=master_address, port=master_port, rank=TRAINER_RANK,
-                                      world_size=world_size)
-    return PyNcclCommunicator(pg, device=device)
+    vLLM's own trainer-side helper (vllm/distributed/weight_transfer/nccl_common.py:139), the one its workers join
+    with (nccl_common.py:215) and its NCCLTrainerWeightTransferEngine opens rank 0 with: StatelessProcessGroup +
+    PyNcclCommunicator created under ``unpinned_nccl_env`` (the NCCL settings vLLM pins for its own communicators
+    are lifted for this shared one, on both sides)."""
+    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+    return stateless_init_process_group(master_address, master_port, TRAINER_RANK, world_size, device)
 
 
 class NCCLWeightSender:

@@ -17,7 +17,7 @@ from stalerl.rollout.vllm_nccl import NCCLWeightSender, snapshot_parameters, upd
 
 def test_worker_init_info_puts_the_trainer_at_rank_0_and_the_engine_after_it():
     assert worker_init_info("10.0.0.5", 29555, 1) == {"master_address": "10.0.0.5", "master_port": 29555,
-                                                      "rank_offset": 1, "world_size": 2}
+                                                      "rank_offset": 1, "world_size": 2, "packed": False}
     assert worker_init_info("h", 1234, 4)["world_size"] == 5  # tp=4: four worker ranks after the trainer
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         worker_init_info("h", 1234, 0)
@@ -62,8 +62,9 @@ class _FakeGroup:
 
 def _receive_like_vllm(group: _FakeGroup, update_info: dict) -> dict[str, torch.Tensor]:
     """vLLM's unpacked receive loop (NCCLWeightTransferEngine.receive_weights, packed=False): allocate each tensor
-    from the update info's dtype name and shape, receive one broadcast into it, in the update info's order."""
-    assert update_info["packed"] is False
+    from the update info's dtype name and shape, receive one broadcast into it, in the update info's order. Unpacked
+    is set once by the init info (worker_init_info), and vLLM's update info has no other keys than these three."""
+    assert set(update_info) == {"names", "dtype_names", "shapes"}
     out = {}
     for name, dtype_name, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]):
         weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
@@ -153,7 +154,7 @@ def test_engine_drives_vllms_four_phase_api_and_stamps_the_version_after_it():
     engine = _engine("nccl")
     info = worker_init_info("h", 1234, 1)
     engine.init_weight_transfer(info)
-    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]], "packed": False}
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
     engine.receive_weights(update, 5)
     assert engine.llm.calls == [("init", {"init_info": info}), ("start",), ("update", {"update_info": update}),
                                 ("finish", "5"), ("reset",)]
