@@ -78,18 +78,29 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+#: The vector extensions that choose ATen's CPU kernels (and so the rounding of a trajectory), as /proc/cpuinfo names them.
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def machine_description() -> dict[str, Any]:
     """CPU model, core count and library versions: trajectories of the same config differ across CPUs."""
-    cpu = platform.processor() or ""
+    cpu, flags, named = platform.processor() or "", set(), False
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not named:
+                cpu, named = line.split(":", 1)[1].strip(), True
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     out: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version()}
+                           "python": platform.python_version(),
+                           # the CPU's vector extensions and the kernels ATen dispatched to: the same config trains
+                           # differently under AVX2 and AVX512 kernels (fp32 sums in another order), so a re-run
+                           # reproduces a summary only on the same ISA, or with ATEN_CPU_CAPABILITY set to its value
+                           "cpu_isa": [f for f in CPU_ISA_FLAGS if f in flags],
+                           "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY") or "default"}
     for mod in ("torch", "transformers"):
         try:
             out[mod] = __import__(mod).__version__

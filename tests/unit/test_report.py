@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,12 @@ def test_summary_fields_from_metrics(tmp_path):
     assert s["grad_norm"]["max"] == 3.0
     assert s["warm_start"] == {"steps": 10.0, "final_loss": 0.5}
     assert s["machine"]["cores"] and s["machine"]["torch"]
+    # the ISA decides the kernels and so the trajectory: named, with the capability ATen was asked for
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")),
+                 []) if cpuinfo.exists() else []
+    assert s["machine"]["cpu_isa"] == [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    assert s["machine"]["aten_cpu_capability"] == (os.environ.get("ATEN_CPU_CAPABILITY") or "default")
     # Seeds of one setting share setting_digest; another loss does not.
     assert _summary(tmp_path, "m2po", 2, 4, 0.8)["setting_digest"] == s["setting_digest"]
     assert _summary(tmp_path, "vanilla", 1, 4, 0.8)["setting_digest"] != s["setting_digest"]
