@@ -154,7 +154,7 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
     """One run after another, each in its own process (a failed run does not stop the sweep). A SIGTERM/SIGINT is
     passed on to the run in progress, which stops cleanly; the runs after it are not started. Returns the statuses
     and that signal (None when none came)."""
-    from stalerl.core.interrupt import StopRequests, polled, signal_name, stop_requested
+    from stalerl.core.interrupt import StopRequests, polled, stop_requested
     from stalerl.launch.launcher import run_child_passing_signals
 
     statuses: list[str] = []
@@ -169,9 +169,7 @@ def _run_local(config_path: Optional[str], runs: list[tuple[str, list[str]]], *,
             argv = [sys.executable, "-m", "stalerl.launch.cli", *_config_args(config_path), *ovr,
                     *([DEBUG_FLAG] if debug else [])]
             code, signum = run_child_passing_signals(argv, env)
-            status = "ok" if code == 0 else f"failed ({code})"
-            if signum is not None and code == 128 + signum:
-                status = f"interrupted ({signal_name(signum)})"
+            status = run_status(code, signum)
             print(f"[{i}/{len(runs)}] {trial}: {status} in {time.perf_counter() - start:.0f}s", flush=True)
             statuses.append(status)
         signum = stop_requested()
@@ -288,11 +286,17 @@ def _sweep_task_status(ray, ref, signum: Optional[int]) -> str:
         return "not run (interrupted)" if signum is not None else "failed (TaskCancelledError)"
     except Exception as exc:  # noqa: BLE001 - one failed run does not stop the sweep
         return f"failed ({type(exc).__name__})"
+    return run_status(code, signum)
+
+
+def run_status(code: int, signum: Optional[int]) -> str:
+    """A sweep run's status from its exit code: ``ok``, ``interrupted (SIG...)`` when it exited as the signal that
+    stopped the sweep asks (128 + signal), else ``failed (code)``."""
+    from stalerl.core.interrupt import signal_name
+
     if code == 0:
         return "ok"
     if signum is not None and code == 128 + signum:
-        from stalerl.core.interrupt import signal_name
-
         return f"interrupted ({signal_name(signum)})"
     return f"failed ({code})"
 
