@@ -309,10 +309,18 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
             r["overrides"] += [f"actor.path={dirs[r['trial']]}", "warm_start.steps=0"]
         configs = [_load(spec["config"], r["overrides"]) for r in runs]
 
-    # 2. The grid, skipping runs that already finished.
+    # 2. The grid, skipping runs that already finished: in their run directory, or (a study resumed in a fresh
+    #    checkout, whose run directories are gone) in a collected summary of the very same config.
+    results = Path(spec["results"])
+    collected = {} if force else {r["trial"]: s for r, c in zip(runs, configs)
+                                  if (s := collected_summary(results, r["trial"], c)) is not None}
     todo = [(r, c) for r, c in zip(runs, configs)
-            if force or _status(run_dir(c)) not in ("finished", "diverged")]  # a divergence is a result
-    print(f"{len(runs) - len(todo)} runs already finished; running {len(todo)}")
+            if force or (_status(run_dir(c)) not in ("finished", "diverged")  # a divergence is a result
+                         and r["trial"] not in collected)]
+    kept = sum(1 for r, c in zip(runs, configs) if r["trial"] in collected and _status(run_dir(c)) is None)
+    print(f"{len(runs) - len(todo)} runs already finished"
+          f"{f' ({kept} of them only in {results}, collected from the same config)' if kept else ''}; "
+          f"running {len(todo)}")
     codes: dict[str, int] = {}
     if todo and kind == "local":
         codes = _pool([(r["trial"], [sys.executable, "-m", "stalerl.launch.cli", "--config", spec["config"],
@@ -326,7 +334,6 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
 
     # 3. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
     #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec.
-    results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
     moved = set_aside_other_summaries(results, {r["trial"] for r in runs})
     if moved:
@@ -338,6 +345,8 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         path = run_dir(cfg) / SUMMARY_FILE
         if path.is_file():
             summary = read_summary(path)
+        elif r["trial"] in collected:  # collected earlier, from this config; its run directory is gone
+            summary = collected[r["trial"]]
         else:
             summary = build_summary(cfg, status="failed", wall_s=0.0,
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
@@ -455,6 +464,19 @@ def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
 
 def _method_labels(spec: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(m for labels in _labels_per_loss(spec) for m in labels))
+
+
+def collected_summary(results: Path, trial: str, cfg: Any) -> Optional[dict[str, Any]]:
+    """The summary already collected in ``results`` for ``trial`` if that run finished (or diverged: a result) with
+    exactly this config (``config_digest``: every key, seed and threads included), else None. Run directories are
+    machine-local and not committed; the collected summaries are, so a study cut short in one session goes on in the
+    next without re-running what it has."""
+    from stalerl.results.run_summary import _config_dict
+
+    summary = read_summary_file(results / f"{trial}.json")
+    if not summary or summary.get("status") not in ("finished", "diverged"):
+        return None
+    return summary if summary.get("config_digest") == digest(_config_dict(cfg)) else None
 
 
 def _status(d: Path) -> Optional[str]:

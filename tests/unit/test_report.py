@@ -323,6 +323,45 @@ def test_study_runner_on_a_tiny_grid(tmp_path):
     assert "| fixed_staleness 2 | m2po | 2/2 |" in doc and "| vanilla |" not in doc
 
 
+def test_a_study_in_a_fresh_checkout_skips_runs_whose_collected_summary_has_their_config(tmp_path, monkeypatch):
+    """Run directories are machine-local; the collected summaries are committed. A study resumed where its run
+    directories are gone re-runs only what no collected summary of the very same config holds (finished or
+    diverged), keeps the others as they were, and --force re-runs everything."""
+    from stalerl.launch import study
+    from stalerl.launch.study import collected_summary, expand, load_spec, run_study
+
+    results = tmp_path / "results"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "resume", "config": str(CPU_CONFIG), "losses": ["m2po"], "seeds": [1, 2, 3, 4],
+        "settings": {"fixed_staleness 2": ["rollout.fixed_staleness=2"]}, "warm_start_cache": False,
+        "overrides": small_overrides(tmp_path, total_train_steps=4), "parallel": 1, "results": str(results),
+        "doc": str(tmp_path / "m2po.md")}))
+    spec = load_spec(spec_file)
+    cfgs = {r["trial"]: load_config(["--config", str(CPU_CONFIG), *r["overrides"]]) for r in expand(spec)}
+    t1, t2, t3, t4 = cfgs
+    results.mkdir()
+    write_summary(results / f"{t1}.json", build_summary(cfgs[t1], status="finished", wall_s=1.0, rows=[]))
+    write_summary(results / f"{t2}.json", build_summary(cfgs[t2], status="diverged", wall_s=1.0, rows=[]))
+    write_summary(results / f"{t3}.json", build_summary(cfgs[t3], status="failed", wall_s=1.0, rows=[]))
+    other = load_config(["--config", str(CPU_CONFIG), *expand(spec)[3]["overrides"], "actor.optimizer.lr=0.5"])
+    write_summary(results / f"{t4}.json", build_summary(other, status="finished", wall_s=1.0, rows=[]))
+    kept = {t: (results / f"{t}.json").read_text() for t in (t1, t2)}
+    assert collected_summary(results, t1, cfgs[t1])["status"] == "finished"
+    assert collected_summary(results, t4, cfgs[t4]) is None  # another config under the same name: not this run
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(study, "_pool", lambda commands, parallel: (ran.append([n for n, _ in commands]),
+                                                                    {n: 0 for n, _ in commands})[1])
+    run_study(spec, spec_path=str(spec_file), report=False)
+    assert ran == [[t3, t4]]  # the failed one and the other config's; nothing of this config that finished
+    assert {t: (results / f"{t}.json").read_text() for t in (t1, t2)} == kept
+    assert json.loads((results / f"{t4}.json").read_text())["status"] == "failed"  # no run wrote one (fake pool)
+    ran.clear()
+    run_study(spec, spec_path=str(spec_file), report=False, force=True)
+    assert ran == [[t1, t2, t3, t4]]
+
+
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
     from stalerl.launch.study import set_aside_other_summaries
 
