@@ -252,13 +252,23 @@ def warm_start_to(cfg, out: Path) -> Path:
 
 
 def _pool(commands: list[tuple[str, list[str]]], parallel: int) -> dict[str, int]:
-    """Run commands ``parallel`` at a time (each in its own process); returns exit code per name."""
+    """Run commands ``parallel`` at a time (each in its own process); returns exit code per started name. Under
+    :func:`run_study`'s ``StopRequests`` a SIGTERM/SIGINT is passed on to the commands running (a run stops as it does
+    alone: summary ``interrupted``, its one line) and no further command starts."""
+    from stalerl.core.interrupt import signals_received, stop_requested
+
     pending, running, codes = list(commands), {}, {}
+    forwarded, _ = signals_received()
     while pending or running:
-        while pending and len(running) < max(1, parallel):
+        while pending and len(running) < max(1, parallel) and stop_requested() is None:
             name, argv = pending.pop(0)
             print(f"start {name}", flush=True)
             running[name] = (subprocess.Popen(argv), time.perf_counter())
+        received, signum = signals_received()
+        if received > forwarded:  # each new signal once to each running command (Ctrl-C reached them already)
+            forwarded = received
+            for proc, _ in running.values():
+                proc.send_signal(signum)
         for name, (proc, t0) in list(running.items()):
             code = proc.poll()
             if code is not None:
@@ -266,6 +276,8 @@ def _pool(commands: list[tuple[str, list[str]]], parallel: int) -> dict[str, int
                 del running[name]
                 print(f"done  {name}: {'ok' if code == 0 else f'failed ({code})'} in {time.perf_counter() - t0:.0f}s",
                       flush=True)
+        if not running and stop_requested() is not None:
+            break  # the pending ones are not started
         time.sleep(0.2)
     return codes
 
@@ -273,7 +285,21 @@ def _pool(commands: list[tuple[str, list[str]]], parallel: int) -> dict[str, int
 # ------------------------------------------------------------------------------------------------ run
 def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, force: bool = False,
               scheduler: Optional[str] = None, report: bool = True, command: Optional[str] = None) -> int:
+    """Warm starts, the grid, the collected summaries, the report. A SIGTERM/SIGINT (a Slurm time limit, Ctrl-C, a
+    session ending) is passed on to the runs in flight, which stop as runs do; no further run starts, the finished
+    runs' summaries are collected with the wall time so far, the report is left as it was, and the process exits
+    128 + signal. The same command resumes, in this checkout or a fresh one (``collected_summary``)."""
+    from stalerl.core.interrupt import StopRequests, polled
+
+    with StopRequests(), polled():  # a signal is only recorded here; the loops below poll it and act
+        return _run_study(spec, spec_path=spec_path, dry_run=dry_run, force=force, scheduler=scheduler,
+                          report=report, command=command)
+
+
+def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bool, scheduler: Optional[str],
+               report: bool, command: Optional[str]) -> int:
     from stalerl.config import run_dir
+    from stalerl.core.interrupt import signal_name, stop_requested
 
     start = time.time()
     runs = expand(spec)
@@ -300,6 +326,10 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
                                 spec["config"], *r["overrides"]]
         t0 = time.time()
         codes = _pool([(f"warm start {Path(k).name}", v) for k, v in jobs.items()], spec["parallel"])
+        if (signum := stop_requested()) is not None:
+            print(f"study {spec['name']}: interrupted by {signal_name(signum)} during the warm starts; the finished "
+                  "ones are kept (each is saved whole or not at all); the same command resumes", file=sys.stderr)
+            return 128 + signum
         if any(codes.values()):
             print("a warm start failed; see its output above", file=sys.stderr)
             return 1
@@ -322,14 +352,15 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
           f"{f' ({kept} of them only in {results}, collected from the same config)' if kept else ''}; "
           f"running {len(todo)}")
     codes: dict[str, int] = {}
+    sweep_signum = None  # a cluster sweep takes the signal itself (stalerl.launch.cli.run_sweep_on) and says which
     if todo and kind == "local":
         codes = _pool([(r["trial"], [sys.executable, "-m", "stalerl.launch.cli", "--config", spec["config"],
                                      *r["overrides"]]) for r, _ in todo], spec["parallel"])
     elif todo:
         from stalerl.launch.cli import run_sweep_on
 
-        statuses, _ = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
-                                   [c for _, c in todo])  # an interrupted run has no finished summary: re-run
+        statuses, sweep_signum = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
+                                              [c for _, c in todo])  # an interrupted run has no finished summary
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
 
     # 3. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
@@ -340,13 +371,19 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
         print(f"study {spec['name']}: {len(moved)} summaries in {results} are of runs this spec does not list "
               f"({', '.join(p.stem for p in moved[:5])}{', ...' if len(moved) > 5 else ''}); moved to "
               f"{moved[0].parent} so the report shows only this spec's runs")
+    signum = stop_requested() or sweep_signum
     statuses: dict[str, Optional[str]] = {}
     for r, cfg in zip(runs, configs):
         path = run_dir(cfg) / SUMMARY_FILE
-        if path.is_file():
-            summary = read_summary(path)
+        summary = read_summary(path) if path.is_file() else None
+        if signum is not None and (summary or {}).get("status") not in ("finished", "diverged"):
+            summary = None  # stopped, or never started: collected when the resumed study has run it
+        if summary is not None:
+            pass
         elif r["trial"] in collected:  # collected earlier, from this config; its run directory is gone
             summary = collected[r["trial"]]
+        elif signum is not None:
+            continue
         else:
             summary = build_summary(cfg, status="failed", wall_s=0.0,
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
@@ -374,6 +411,13 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
     if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
         meta["grid"] = _grid(spec)
     atomic_write_text(results / STUDY_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    if signum is not None:
+        done = sum(1 for v in statuses.values() if v in ("finished", "diverged"))
+        print(f"study {spec['name']}: interrupted by {signal_name(signum)}: {done} of {len(runs)} runs finished, "
+              f"their summaries collected in {results} (wall time so far {wall / 60:.1f} min); the report was not "
+              "updated; the same command resumes (in a fresh checkout too: runs whose collected summary has their "
+              "config are not re-run)", file=sys.stderr)
+        return 128 + signum
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
         from stalerl.results.report import main as report_main

@@ -362,6 +362,84 @@ def test_a_study_in_a_fresh_checkout_skips_runs_whose_collected_summary_has_thei
     assert ran == [[t1, t2, t3, t4]]
 
 
+def test_sigterm_passes_to_the_runs_in_flight_and_starts_no_other(tmp_path):
+    """The study's pool, under run_study's signal handling: a SIGTERM reaches each running command once, the
+    pending ones never start, and the pool returns as soon as the running ones have stopped."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from stalerl.core.interrupt import StopRequests, polled
+    from stalerl.launch.study import _pool
+
+    child = ("import signal, sys, time, pathlib; p = pathlib.Path(sys.argv[1]); "
+             "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('stopped'), sys.exit(143))); "
+             "p.write_text('started'); time.sleep(60)")
+    commands = [(n, [sys.executable, "-c", child, str(tmp_path / n)]) for n in ("a", "b", "c")]
+    killer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    t0 = time.monotonic()
+    with StopRequests(), polled():
+        killer.start()
+        codes = _pool(commands, 2)
+    assert time.monotonic() - t0 < 30
+    assert codes == {"a": 143, "b": 143}
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text() == "stopped"
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tmp_path, monkeypatch):
+    """A signal during the grid: the finished runs' summaries are collected (with the wall time so far), the
+    stopped and unstarted ones are not, the doc stays as it was, the exit is 128 + signal; the same command then
+    runs only the rest and the table's wall time includes the first part."""
+    import signal
+
+    from stalerl.config import run_dir
+    from stalerl.launch import study
+    from stalerl.launch.study import expand, load_spec, run_study
+
+    results, doc = tmp_path / "results", tmp_path / "m2po.md"
+    doc.write_text("<!-- results:begin stop -->\n<!-- results:end stop -->\n")
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "stop", "config": str(CPU_CONFIG), "losses": ["m2po"], "seeds": [1, 2, 3],
+        "settings": {"fixed_staleness 2": ["rollout.fixed_staleness=2"]}, "warm_start_cache": False,
+        "overrides": small_overrides(tmp_path, total_train_steps=4), "parallel": 1, "results": str(results),
+        "doc": str(doc)}))
+    spec = load_spec(spec_file)
+    cfgs = {r["trial"]: load_config(["--config", str(CPU_CONFIG), *r["overrides"]]) for r in expand(spec)}
+    t1, t2, t3 = cfgs
+    ran: list[list[str]] = []
+
+    def pool(commands, parallel, stop_after=None):
+        ran.append([n for n, _ in commands])
+        for n, _ in commands[:stop_after]:  # these finish; with a signal, the next one stops and no other starts
+            run_dir(cfgs[n]).mkdir(parents=True, exist_ok=True)
+            write_summary(run_dir(cfgs[n]) / "summary.json",
+                          build_summary(cfgs[n], status="finished", wall_s=1.0, rows=[]))
+        if stop_after is not None:
+            n = commands[stop_after][0]
+            run_dir(cfgs[n]).mkdir(parents=True, exist_ok=True)
+            write_summary(run_dir(cfgs[n]) / "summary.json",
+                          build_summary(cfgs[n], status="interrupted", wall_s=1.0, rows=[]))
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by run_study's handler, not raised
+        return {n: 0 for n, _ in commands}
+
+    monkeypatch.setattr(study, "_pool", lambda c, p: pool(c, p, stop_after=1))
+    assert run_study(spec, spec_path=str(spec_file)) == 128 + signal.SIGTERM
+    assert sorted(p.stem for p in results.glob("*.json")) == sorted(["study", t1])
+    assert json.loads((results / f"{t1}.json").read_text())["status"] == "finished"
+    first_wall = json.loads((results / "study.json").read_text())["wall_s"]
+    assert doc.read_text() == "<!-- results:begin stop -->\n<!-- results:end stop -->\n"
+
+    shutil.rmtree(run_dir(cfgs[t1]).parent)  # a fresh checkout: the run directories are gone
+    monkeypatch.setattr(study, "_pool", lambda c, p: pool(c, p))
+    assert run_study(spec, spec_path=str(spec_file), report=False) == 0
+    assert ran[-1] == [t2, t3]
+    assert all(json.loads((results / f"{t}.json").read_text())["status"] == "finished" for t in (t1, t2, t3))
+    assert json.loads((results / "study.json").read_text())["wall_s"] >= first_wall
+
+
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
     from stalerl.launch.study import set_aside_other_summaries
 
