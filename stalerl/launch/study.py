@@ -315,15 +315,36 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
     if dry_run:
         return 0
 
-    # 1. Warm start once per seed, then every RL run of that seed starts from the saved model.
-    if spec["warm_start_cache"] and configs[0].warm_start.steps > 0:
-        jobs, dirs = {}, {}
+    # 1. Which runs are already done: finished in their run directory, or (a study resumed in a fresh checkout,
+    #    whose run directories are gone) collected in ``results`` from the very same config. With the warm-start
+    #    cache every RL run starts from its seed's saved model (its path is part of the config, known beforehand).
+    cached = spec["warm_start_cache"] and configs[0].warm_start.steps > 0
+    warm_cmds: dict[str, list[str]] = {}
+    if cached:
         for r, cfg in zip(runs, configs):
             d = warm_start_dir(cfg)
-            dirs[r["trial"]] = d
-            if not (d / WARM_START_MARKER).is_file() and str(d) not in jobs:
-                jobs[str(d)] = [sys.executable, "-m", "stalerl.launch.study", "warm-start", "--out", str(d), "--config",
-                                spec["config"], *r["overrides"]]
+            warm_cmds[r["trial"]] = [str(d), sys.executable, "-m", "stalerl.launch.study", "warm-start", "--out",
+                                     str(d), "--config", spec["config"], *r["overrides"]]
+            r["overrides"] += [f"actor.path={d}", "warm_start.steps=0"]
+        configs = [_load(spec["config"], r["overrides"]) for r in runs]
+    results = Path(spec["results"])
+    collected = {} if force else {r["trial"]: s for r, c in zip(runs, configs)
+                                  if (s := collected_summary(results, r["trial"], c)) is not None}
+    todo = [(r, c) for r, c in zip(runs, configs)
+            if force or (_status(run_dir(c)) not in ("finished", "diverged")  # a divergence is a result
+                         and r["trial"] not in collected)]
+    kept = [collected[r["trial"]] for r, c in zip(runs, configs)
+            if r["trial"] in collected and _status(run_dir(c)) is None]
+    if todo and kept:
+        check_same_kernels(spec["name"], kept)
+
+    # 2. Warm start once per seed that still has a run to do.
+    if cached:
+        jobs: dict[str, list[str]] = {}
+        for r, _ in todo:
+            d, *argv = warm_cmds[r["trial"]]
+            if not (Path(d) / WARM_START_MARKER).is_file():
+                jobs.setdefault(d, argv)
         t0 = time.time()
         codes = _pool([(f"warm start {Path(k).name}", v) for k, v in jobs.items()], spec["parallel"])
         if (signum := stop_requested()) is not None:
@@ -335,21 +356,10 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
             return 1
         if jobs:
             print(f"warm starts: {len(jobs)} in {time.time() - t0:.0f}s")
-        for r in runs:
-            r["overrides"] += [f"actor.path={dirs[r['trial']]}", "warm_start.steps=0"]
-        configs = [_load(spec["config"], r["overrides"]) for r in runs]
 
-    # 2. The grid, skipping runs that already finished: in their run directory, or (a study resumed in a fresh
-    #    checkout, whose run directories are gone) in a collected summary of the very same config.
-    results = Path(spec["results"])
-    collected = {} if force else {r["trial"]: s for r, c in zip(runs, configs)
-                                  if (s := collected_summary(results, r["trial"], c)) is not None}
-    todo = [(r, c) for r, c in zip(runs, configs)
-            if force or (_status(run_dir(c)) not in ("finished", "diverged")  # a divergence is a result
-                         and r["trial"] not in collected)]
-    kept = sum(1 for r, c in zip(runs, configs) if r["trial"] in collected and _status(run_dir(c)) is None)
+    # 3. The grid.
     print(f"{len(runs) - len(todo)} runs already finished"
-          f"{f' ({kept} of them only in {results}, collected from the same config)' if kept else ''}; "
+          f"{f' ({len(kept)} of them only in {results}, collected from the same config)' if kept else ''}; "
           f"running {len(todo)}")
     codes: dict[str, int] = {}
     sweep_signum = None  # a cluster sweep takes the signal itself (stalerl.launch.cli.run_sweep_on) and says which
@@ -363,7 +373,7 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
                                               [c for _, c in todo])  # an interrupted run has no finished summary
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
 
-    # 3. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
+    # 4. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
     #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec.
     results.mkdir(parents=True, exist_ok=True)
     moved = set_aside_other_summaries(results, {r["trial"] for r in runs})
@@ -521,6 +531,32 @@ def collected_summary(results: Path, trial: str, cfg: Any) -> Optional[dict[str,
     if not summary or summary.get("status") not in ("finished", "diverged"):
         return None
     return summary if summary.get("config_digest") == digest(_config_dict(cfg)) else None
+
+
+def run_kernels(machine: dict[str, Any]) -> str:
+    """The CPU kernels a run's machine description says ATen used, and the torch build: the same config trains to
+    other numbers under AVX2 and AVX512 kernels (the warm start already differs), so a study's seeds pair across cells
+    only if every run used the same."""
+    cap = str(machine.get("aten_cpu_capability") or "default").lower()
+    if cap == "default":
+        isa = machine.get("cpu_isa")
+        if isa is None:  # summaries written before the ISA was recorded: nothing to compare
+            return f"unrecorded kernels, torch {machine.get('torch')}"
+        cap = "avx512" if "avx512f" in isa else "avx2" if "avx2" in isa else "default"
+    return f"{cap} kernels, torch {machine.get('torch')}"
+
+
+def check_same_kernels(name: str, kept: list[dict[str, Any]]) -> None:
+    """Refuse (one line, before any warm start) to add runs to a study whose collected runs used other kernels or
+    another torch: the new runs would start from other warm-started models and not pair with the kept ones."""
+    here = run_kernels(machine_description())
+    theirs = sorted({run_kernels(s.get("machine") or {}) for s in kept} - {here})
+    theirs = [t for t in theirs if not t.startswith("unrecorded")]
+    if theirs:
+        hint = next((f"ATEN_CPU_CAPABILITY={t.split()[0]} " for t in theirs if t.split()[0] in ("avx2", "avx512")), "")
+        raise StudyError(f"study {name}: its collected runs used {', '.join(theirs)}; this process would use {here}, "
+                         "so the runs it adds would not pair with them (other warm starts, other trajectories); run "
+                         f"it as `{hint}stalerl-study run ...` with the same torch, or add --force to re-run every run")
 
 
 def _status(d: Path) -> Optional[str]:

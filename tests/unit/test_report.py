@@ -440,6 +440,49 @@ def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tm
     assert json.loads((results / "study.json").read_text())["wall_s"] >= first_wall
 
 
+def test_a_resumed_study_refuses_other_kernels_and_warm_starts_only_seeds_with_runs_left(tmp_path, monkeypatch):
+    """Collected runs that used AVX512 kernels (the same config trains differently there) cannot be joined by runs
+    on AVX2 kernels: refused in one line naming ATEN_CPU_CAPABILITY, before any warm start. With matching kernels
+    only the seeds that still have a run get a warm start."""
+    from stalerl.launch import study
+    from stalerl.launch.study import StudyError, expand, load_spec, run_kernels, run_study
+    from stalerl.results.run_summary import machine_description
+
+    assert run_kernels({"cpu_isa": ["avx2", "avx512f"], "aten_cpu_capability": "default", "torch": "t"}) == \
+        "avx512 kernels, torch t"
+    assert run_kernels({"cpu_isa": ["avx2", "avx512f"], "aten_cpu_capability": "avx2", "torch": "t"}) == \
+        "avx2 kernels, torch t"
+    results = tmp_path / "results"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "k", "config": str(CPU_CONFIG), "losses": ["m2po"], "seeds": [1, 2],
+        "settings": {"fixed_staleness 2": ["rollout.fixed_staleness=2"]},
+        "overrides": small_overrides(tmp_path, total_train_steps=4), "parallel": 1, "results": str(results),
+        "doc": str(tmp_path / "m2po.md")}))
+    spec = load_spec(spec_file)
+    assert load_config(["--config", str(CPU_CONFIG), *spec["overrides"]]).warm_start.steps > 0  # the cache is used
+    (r1,) = [r for r in expand(spec) if r["seed"] == 1]
+    cfg = load_config(["--config", str(CPU_CONFIG), *r1["overrides"]])
+    cfg1 = load_config(["--config", str(CPU_CONFIG), *r1["overrides"], f"actor.path={study.warm_start_dir(cfg)}",
+                        "warm_start.steps=0"])
+    summary = build_summary(cfg1, status="finished", wall_s=1.0, rows=[])
+    here = machine_description()
+    results.mkdir()
+    started: list[list[str]] = []
+    monkeypatch.setattr(study, "_pool", lambda c, p: (started.append([n for n, _ in c]), {n: 0 for n, _ in c})[1])
+    other = "avx2" if run_kernels(here).startswith("avx512") else "avx512"
+    summary["machine"] = {**here, "aten_cpu_capability": other}
+    write_summary(results / f"{r1['trial']}.json", summary)
+    with pytest.raises(StudyError, match=f"used {other} kernels.*ATEN_CPU_CAPABILITY={other} stalerl-study run"):
+        run_study(spec, spec_path=str(spec_file), report=False)
+    assert started == []  # refused before any warm start
+    summary["machine"] = here
+    write_summary(results / f"{r1['trial']}.json", summary)
+    run_study(spec, spec_path=str(spec_file), report=False)
+    assert len(started[0]) == 1 and started[0][0].startswith("warm start seed2-")  # seed 1 has nothing left to run
+    assert started[1] == [r["trial"] for r in expand(spec) if r["seed"] == 2]
+
+
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
     from stalerl.launch.study import set_aside_other_summaries
 
