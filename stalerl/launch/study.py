@@ -96,6 +96,8 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     _check_loss_map(spec, p, "variant_losses", "variants", "a variant name to the losses run with it")
     _check_loss_map(spec, p, "setting_losses", "settings", "a setting name to the losses run there (e.g. the "
                     "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
+    # Every run the spec lists (--seeds/--losses/--settings may cut what one invocation runs, never what it keeps)
+    spec["registered_trials"] = [r["trial"] for r in expand(spec)]
     if isinstance(claims, dict):
         _check_claim_cells(spec, p)
     if spec.get("pilot") is not None:
@@ -374,9 +376,10 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
 
     # 4. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
-    #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec.
+    #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec;
+    #    those of its runs that a --seeds/--losses/--settings cut did not run now stay.
     results.mkdir(parents=True, exist_ok=True)
-    moved = set_aside_other_summaries(results, {r["trial"] for r in runs})
+    moved = set_aside_other_summaries(results, {*spec.get("registered_trials", ()), *(r["trial"] for r in runs)})
     if moved:
         print(f"study {spec['name']}: {len(moved)} summaries in {results} are of runs this spec does not list "
               f"({', '.join(p.stem for p in moved[:5])}{', ...' if len(moved) > 5 else ''}); moved to "

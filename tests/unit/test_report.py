@@ -483,6 +483,33 @@ def test_a_resumed_study_refuses_other_kernels_and_warm_starts_only_seeds_with_r
     assert started[1] == [r["trial"] for r in expand(spec) if r["seed"] == 2]
 
 
+def test_a_cut_invocation_keeps_the_summaries_of_the_spec_runs_it_did_not_run(tmp_path, monkeypatch):
+    """`--seeds 2` runs seed 2 only; seed 1's collected summary is still a run of the spec: it stays (only runs the
+    spec no longer lists are set aside)."""
+    import argparse
+
+    from stalerl.launch import study
+    from stalerl.launch.study import apply_cli, load_spec, run_study
+
+    results = tmp_path / "results"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "cut", "config": str(CPU_CONFIG), "losses": ["m2po"], "seeds": [1, 2],
+        "settings": {"fixed_staleness 2": ["rollout.fixed_staleness=2"]}, "warm_start_cache": False,
+        "overrides": small_overrides(tmp_path, total_train_steps=4), "parallel": 1, "results": str(results),
+        "doc": str(tmp_path / "m2po.md")}))
+    results.mkdir()
+    for name in ("m2po-fixed_staleness_2-seed1", "gone-seed1"):
+        (results / f"{name}.json").write_text(json.dumps(_fake("m2po", "s", 1, 0.5, 0.5) | {"run": name}))
+    monkeypatch.setattr(study, "_pool", lambda c, p: {n: 0 for n, _ in c})
+    cli = argparse.Namespace(seeds="2", losses=None, settings=None, set=[], results=None, doc=None, parallel=None,
+                             experiment_name=None)
+    run_study(apply_cli(load_spec(spec_file), cli), spec_path=str(spec_file), report=False)
+    assert sorted(p.name for p in results.glob("*.json")) == [
+        "m2po-fixed_staleness_2-seed1.json", "m2po-fixed_staleness_2-seed2.json", "study.json"]
+    assert [p.name for p in results.glob("superseded/*/*.json")] == ["gone-seed1.json"]
+
+
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
     from stalerl.launch.study import set_aside_other_summaries
 
