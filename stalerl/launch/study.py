@@ -569,6 +569,56 @@ def _status(d: Path) -> Optional[str]:
         return None
 
 
+# Provenance, not outcome: left out when a re-run is compared with a collected summary.
+_PROVENANCE_FIELDS = ("run", "experiment", "config_digest", "setting_digest", "wall_s", "wall_s_total",
+                      "step_seconds", "machine", "warm_start_cached")
+
+
+def _differences(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict):
+        if not isinstance(new, dict):
+            return [f"{path or '/'}: {type(new).__name__} instead of a mapping"]
+        out = []
+        for k, v in old.items():
+            if not path and k in _PROVENANCE_FIELDS:
+                continue
+            out += [f"{path}/{k}: missing"] if k not in new else _differences(v, new[k], f"{path}/{k}")
+        return out
+    return [] if old == new else [f"{path}: {str(old)[:40]} vs {str(new)[:40]}"]
+
+
+def compare_collected(old_dir: str, new_dir: str, renames: Sequence[str]) -> tuple[list[str], int]:
+    """A reuse check: each summary in ``old_dir`` whose run name starts with a renamed prefix (``OLD=NEW``) against
+    the summary of the same run in ``new_dir`` (a re-run), over every field the old one has but provenance (names,
+    digests, wall times, machine). Returns one line per compared run and the number that differ; runs with no
+    re-run are listed as such."""
+    pairs = []
+    for item in renames:
+        if "=" not in item:
+            raise StudyError(f"--rename {item!r}: expected OLD_PREFIX=NEW_PREFIX, e.g. "
+                             "vanilla-fixed_staleness_64=vanilla-tau0.04-fixed_staleness_64")
+        pairs.append(tuple(item.split("=", 1)))
+    lines, differ = [], 0
+    for f in sorted(Path(old_dir).glob("*.json")):
+        old = read_summary_file(f)
+        match = next(((a, b) for a, b in pairs if f.stem.startswith(a + "-")), None) if old else None
+        if match is None:
+            continue
+        name = match[1] + f.stem[len(match[0]):]
+        new = read_summary_file(Path(new_dir) / f"{name}.json")
+        if new is None:
+            lines.append(f"{f.stem} -> {name}: not re-run")
+            continue
+        diff = _differences(old, new)
+        compared = len([k for k in old if k not in _PROVENANCE_FIELDS])
+        differ += bool(diff)
+        lines.append(f"{f.stem} -> {name}: " + (f"identical in all {compared} outcome fields" if not diff else
+                                                 f"{len(diff)} differ: {'; '.join(diff[:3])}"))
+    if not lines:
+        raise StudyError(f"{old_dir}: no summary whose run name starts with {', '.join(a for a, _ in pairs)}")
+    return lines, differ
+
+
 def pilot_decision(results: str, spec_path: str) -> int:
     """Print the pilot's decision table (stalerl.results.pilot) from its collected summaries."""
     from stalerl.results.pilot import render_pilot
@@ -640,6 +690,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sd.add_argument("--b", required=True, help="cell 'method @ setting'")
     sd.add_argument("--metric", default="last3", help="last3, auc, final, peak_drop or a summary field path")
     sd.add_argument("--metric-b", dest="metric_b", help="b's metric when it differs")
+    c = sub.add_parser("compare", help="reuse check: re-run summaries against collected ones, field by field "
+                                       "(exit 1 if any differs)")
+    c.add_argument("old", help="results directory of the collected summaries (e.g. an earlier study's)")
+    c.add_argument("new", help="results directory of the re-runs")
+    c.add_argument("--rename", action="append", required=True, metavar="OLD_PREFIX=NEW_PREFIX",
+                   help="run-name prefix in OLD and the same runs' prefix in NEW (repeatable)")
     w = sub.add_parser("warm-start", help="(internal) warm-start one seed and save the model")
     w.add_argument("--out", required=True)
     w.add_argument("--config", required=True)
@@ -654,6 +710,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.cmd == "paired-sd":
             print(paired_sd(a.results, a.a, a.b, a.metric, a.metric_b, ["loss"]))
             return 0
+        if a.cmd == "compare":
+            lines, differ = compare_collected(a.old, a.new, a.rename)
+            print("\n".join(lines))
+            print(f"{len(lines) - differ - sum('not re-run' in x for x in lines)} identical, {differ} differ")
+            return 1 if differ else 0
         if a.cmd == "warm-start":
             warm_start_to(_load(a.config, a.overrides), Path(a.out))
             return 0

@@ -685,3 +685,32 @@ def test_a_loss_has_one_colour_in_every_figure():
     assert len(set(staleness_colors.values())) == 4
     labels = ["loss=m2po, behavior_logp=rollout", "loss=vanilla, behavior_logp=rollout"]
     assert method_colors(labels) == {labels[0]: "C0", labels[1]: "C1"}
+
+
+def test_stalerl_study_compare_finds_a_re_run_identical_or_names_what_differs(tmp_path, capsys):
+    """The reuse check: outcome fields of the old summary must all be equal in the renamed re-run (provenance and
+    fields the re-run adds do not count); one changed value makes it differ (exit 1)."""
+    from stalerl.launch.study import main as study_main
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    for seed in (1, 2, 3):
+        s = _fake("vanilla", "fixed_staleness 64", seed, 0.4, 0.5) | {"run": f"vanilla-fs64-seed{seed}", "wall_s": 1}
+        (old / f"vanilla-fs64-seed{seed}.json").write_text(json.dumps(s))
+        if seed == 3:
+            continue  # not re-run
+        s = s | {"run": f"vanilla-tau-fs64-seed{seed}", "wall_s": 9, "m2_threshold": 0.04}
+        if seed == 2:
+            s["eval"] = {**s["eval"], "final": 0.41}
+        (new / f"vanilla-tau-fs64-seed{seed}.json").write_text(json.dumps(s))
+    (new / "study.json").write_text("{}")
+    code = study_main(["compare", str(old), str(new), "--rename", "vanilla-fs64=vanilla-tau-fs64"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "vanilla-fs64-seed1 -> vanilla-tau-fs64-seed1: identical in all" in out
+    assert "vanilla-fs64-seed2 -> vanilla-tau-fs64-seed2: 1 differ: /eval/final: 0.4 vs 0.41" in out
+    assert "vanilla-fs64-seed3 -> vanilla-tau-fs64-seed3: not re-run" in out
+    assert out.strip().endswith("1 identical, 1 differ")
+    (new / "vanilla-tau-fs64-seed2.json").unlink()
+    assert study_main(["compare", str(old), str(new), "--rename", "vanilla-fs64=vanilla-tau-fs64"]) == 0
+    assert study_main(["compare", str(old), str(new), "--rename", "nothing"]) == 2
