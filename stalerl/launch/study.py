@@ -93,6 +93,9 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
     spec["registered_seeds"] = list(spec["seeds"])  # the plan the claims' power is stated for (--seeds may cut it)
+    # The whole grid as registered: study.json and the block describe it, whichever cut one invocation ran
+    spec["registered"] = {"seeds": list(spec["seeds"]), "losses": list(spec["losses"]),
+                          "settings": dict(spec["settings"])}
     _check_loss_map(spec, p, "variant_losses", "variants", "a variant name to the losses run with it")
     _check_loss_map(spec, p, "setting_losses", "settings", "a setting name to the losses run there (e.g. the "
                     "on-policy setting run once: {{fixed_staleness 0: [vanilla]}})")
@@ -286,7 +289,8 @@ def _pool(commands: list[tuple[str, list[str]]], parallel: int) -> dict[str, int
 
 # ------------------------------------------------------------------------------------------------ run
 def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, force: bool = False,
-              scheduler: Optional[str] = None, report: bool = True, command: Optional[str] = None) -> int:
+              scheduler: Optional[str] = None, report: bool = True, command: Optional[str] = None,
+              invocation: Optional[str] = None) -> int:
     """Warm starts, the grid, the collected summaries, the report. A SIGTERM/SIGINT (a Slurm time limit, Ctrl-C, a
     session ending) is passed on to the runs in flight, which stop as runs do; no further run starts, the finished
     runs' summaries are collected with the wall time so far, the report is left as it was, and the process exits
@@ -295,11 +299,11 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
 
     with StopRequests(), polled():  # a signal is only recorded here; the loops below poll it and act
         return _run_study(spec, spec_path=spec_path, dry_run=dry_run, force=force, scheduler=scheduler,
-                          report=report, command=command)
+                          report=report, command=command, invocation=invocation)
 
 
 def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bool, scheduler: Optional[str],
-               report: bool, command: Optional[str]) -> int:
+               report: bool, command: Optional[str], invocation: Optional[str] = None) -> int:
     from stalerl.config import run_dir
     from stalerl.core.interrupt import signal_name, stop_requested
 
@@ -402,27 +406,34 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
         write_summary(results / f"{r['trial']}.json", summary)
         statuses[r["trial"]] = summary.get("status")
-    wall = time.time() - start
-    previous = results / STUDY_FILE
-    if len(todo) < len(runs) and previous.is_file():  # a resumed study: the table's time includes the earlier part
-        try:
-            wall += float(json.loads(previous.read_text()).get("wall_s") or 0.0)
-        except (OSError, ValueError):
-            pass
+    own = time.time() - start if todo else 0.0  # an invocation with nothing to run adds no time to the table
+    wall = own
+    # The table's time includes earlier invocations whose summaries this one kept: a resumed study, or the other
+    # parts of a grid run as --seeds/--losses/--settings cuts (not when everything was re-run: --force, all todo).
+    ran_now = {r["trial"] for r, _ in todo}
+    earlier = [t for t in spec.get("registered_trials", [r["trial"] for r in runs])
+               if t not in ran_now and (results / f"{t}.json").is_file()]
+    previous_meta = _read_study_file(results / STUDY_FILE) if earlier else {}
+    wall += float(previous_meta.get("wall_s") or 0.0)
+    full = {**spec, **spec.get("registered", {})}  # the registered grid, not this invocation's cut
     meta = {
-        "name": spec["name"], "title": spec["title"], "method_keys": spec["method_keys"], "seeds": spec["seeds"],
-        "settings": list(spec["settings"]),
-        "methods": _method_labels(spec),
+        "name": spec["name"], "title": spec["title"], "method_keys": spec["method_keys"], "seeds": full["seeds"],
+        "settings": list(full["settings"]),
+        "methods": _method_labels(full),
         "command": command or f"stalerl-study run {spec_path}",
         "regenerate": f"stalerl-report {spec['results']} --update-doc {spec['doc']}",
-        "wall_s": round(wall, 1), "runs": len(runs), "parallel": spec["parallel"], "scheduler": kind,
+        "wall_s": round(wall, 1), "runs": len(expand(full)), "parallel": spec["parallel"], "scheduler": kind,
         "machine": machine_description(),
+        # each invocation that ran part of this table: its command, runs and wall time (the sum is wall_s)
+        "invocations": _invocations(previous_meta) + ([{
+            "command": invocation or command or f"stalerl-study run {spec_path}", "runs": len(todo),
+            "wall_s": round(own, 1)}] if todo else []),
     }
     for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
         if spec.get(key):
             meta[key] = spec[key]
-    if spec.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
-        meta["grid"] = _grid(spec)
+    if full.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
+        meta["grid"] = _grid(full)
     atomic_write_text(results / STUDY_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     if signum is not None:
         done = sum(1 for v in statuses.values() if v in ("finished", "diverged"))
@@ -517,6 +528,22 @@ def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) 
 def _labels_per_loss(spec: dict[str, Any]) -> list[list[str]]:
     """Per loss (in spec order), the method labels of its variants as the report names them."""
     return [[_label(spec, loss, ovr) for ovr in _variants_of(spec, loss).values()] for loss in spec["losses"]]
+
+
+def _invocations(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """An earlier study.json's invocations (one written before they were recorded counts as one)."""
+    if "invocations" in meta:
+        return list(meta["invocations"])
+    return [{"command": meta["command"], "runs": meta.get("runs"), "wall_s": meta["wall_s"]}] \
+        if meta.get("command") and meta.get("wall_s") is not None else []
+
+
+def _read_study_file(path: Path) -> dict[str, Any]:
+    """An earlier invocation's study.json, or {} (none, or unreadable: its time is then not counted)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _method_labels(spec: dict[str, Any]) -> list[str]:
@@ -720,9 +747,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         spec = apply_cli(load_spec(a.spec), a)
         argv = list(sys.argv[1:] if argv is None else argv)
-        command = "stalerl-study " + " ".join(shlex.quote(x) for x in argv if x not in ("--force", "--no-report"))
+        typed = [x for x in argv if x not in ("--force", "--no-report")]
+        invocation = "stalerl-study " + " ".join(shlex.quote(x) for x in typed)
+        # The block's "Reproduce" command runs the whole table: a --seeds/--losses/--settings cut is one part of it
+        cut, whole = ("--seeds", "--losses", "--settings"), []
+        for i, x in enumerate(typed):
+            if x in cut or x.split("=", 1)[0] in cut or (i and typed[i - 1] in cut):
+                continue
+            whole.append(x)
+        command = "stalerl-study " + " ".join(shlex.quote(x) for x in whole)
         return run_study(spec, spec_path=a.spec, dry_run=a.dry_run, force=a.force, scheduler=a.scheduler,
-                         report=not a.no_report, command=command)
+                         report=not a.no_report, command=command, invocation=invocation)
     except StudyError as exc:
         print(f"stalerl-study: {exc}", file=sys.stderr)
         return 2

@@ -510,6 +510,58 @@ def test_a_cut_invocation_keeps_the_summaries_of_the_spec_runs_it_did_not_run(tm
     assert [p.name for p in results.glob("superseded/*/*.json")] == ["gone-seed1.json"]
 
 
+def test_a_cut_invocation_records_the_whole_grid_and_adds_its_time_to_the_earlier_parts(tmp_path, monkeypatch):
+    """A grid run in parts (--settings / --seeds cuts, e.g. across sessions): study.json (read by the report) still
+    describes the registered grid (seeds, settings, methods, on-policy row), its wall time is the sum of the parts,
+    each part is listed with the command typed, and the block's Reproduce command is the whole table's (no cut)."""
+    from stalerl.launch import study
+
+    results = tmp_path / "results"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(json.dumps({
+        "name": "parts", "config": str(CPU_CONFIG), "losses": ["vanilla", "m2po"], "seeds": [1, 2],
+        "settings": {"fixed_staleness 0": ["rollout.fixed_staleness=0"],
+                     "fixed_staleness 2": ["rollout.fixed_staleness=2"]},
+        "setting_losses": {"fixed_staleness 0": ["vanilla"]}, "warm_start_cache": False,
+        "overrides": small_overrides(tmp_path, total_train_steps=4), "parallel": 1, "results": str(results),
+        "doc": str(tmp_path / "m2po.md")}))
+    from stalerl.config import run_dir
+
+    cfgs = {r["trial"]: load_config(["--config", str(CPU_CONFIG), *r["overrides"]])
+            for r in study.expand(study.load_spec(spec_file))}
+    results.mkdir()
+    for trial, cfg in cfgs.items():  # the staleness-2 part, collected by an earlier invocation (before invocations)
+        if "fixed_staleness_2" in trial:
+            write_summary(results / f"{trial}.json", build_summary(cfg, status="finished", wall_s=1.0, rows=[]))
+    (results / "study.json").write_text(json.dumps({"command": f"stalerl-study run {spec_file} --settings "
+                                                               "'fixed_staleness 2'", "wall_s": 100.0, "runs": 4}))
+
+    def pool(commands, parallel):  # each run "finishes" at once: its run directory holds a finished summary
+        for name, _ in commands:
+            write_summary(run_dir(cfgs[name]) / "summary.json",
+                          build_summary(cfgs[name], status="finished", wall_s=1.0, rows=[]))
+        return {n: 0 for n, _ in commands}
+
+    monkeypatch.setattr(study, "_pool", pool)
+    assert study.main(["run", str(spec_file), "--settings", "fixed_staleness 0", "--no-report"]) == 0
+    meta = json.loads((results / "study.json").read_text())
+    assert meta["seeds"] == [1, 2] and meta["settings"] == ["fixed_staleness 0", "fixed_staleness 2"]
+    assert meta["methods"] == ["vanilla", "m2po"] and meta["runs"] == 6
+    assert sorted(map(tuple, meta["grid"])) == [("m2po", "fixed_staleness 2"), ("vanilla", "fixed_staleness 0"),
+                                                 ("vanilla", "fixed_staleness 2")]
+    assert meta["command"] == f"stalerl-study run {spec_file}"
+    assert [(i["command"].split("--settings ")[-1], i["runs"]) for i in meta["invocations"]] == [
+        ("'fixed_staleness 2'", 4), ("'fixed_staleness 0'", 2)]
+    assert 100.0 <= meta["wall_s"] == round(100.0 + meta["invocations"][-1]["wall_s"], 1)
+    # Run again with nothing left to do: no new part, the time unchanged. --force on the whole grid: only its time.
+    assert study.main(["run", str(spec_file), "--no-report"]) == 0
+    again = json.loads((results / "study.json").read_text())
+    assert again["invocations"] == meta["invocations"] and abs(again["wall_s"] - meta["wall_s"]) < 1.0
+    assert study.main(["run", str(spec_file), "--force", "--no-report"]) == 0
+    forced = json.loads((results / "study.json").read_text())
+    assert forced["wall_s"] < 100.0 and [i["runs"] for i in forced["invocations"]] == [6]
+
+
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
     from stalerl.launch.study import set_aside_other_summaries
 
