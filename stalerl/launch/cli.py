@@ -302,26 +302,12 @@ def run_status(code: int, signum: Optional[int]) -> str:
 
 
 def _cli_in_task(argv: list[str], log_path: Optional[str] = None, pid_path: Optional[str] = None) -> int:
-    import signal
-
-    if log_path:
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        out = open(log_path, "a", buffering=1)
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.stdout = sys.stderr = out
-    if pid_path:
-        with open(pid_path, "w") as f:
-            f.write(str(os.getpid()))
     # by name: under `python -m stalerl.launch.cli` this module is __main__, whose functions Ray would pickle by value
     from stalerl.launch.cli import main
+    from stalerl.launch.launcher import in_ray_task
 
-    # Ray's worker blocks SIGINT in its main thread: unblocked for the run, so a forwarded Ctrl-C stops it cleanly
-    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    try:
+    with in_ray_task(log_path, pid_path):  # output to the log, pid for the driver's signals, SIGINT unblocked
         return main(argv)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from stalerl.config import ExperimentConfig, config_to_yaml, is_async, run_dir
 from stalerl.core.interrupt import RunInterrupted
@@ -183,29 +184,39 @@ def interrupt_grace() -> float:
     return StopRequests().grace_s
 
 
-def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Optional[str] = None) -> dict[str, Any]:
+@contextlib.contextmanager
+def in_ray_task(log_path: Optional[str], pid_path: Optional[str]) -> Iterator[None]:
+    """What a run needs inside a Ray task (``_train_in_task``, ``stalerl.launch.cli._cli_in_task``): its output in
+    ``log_path``, its pid in ``pid_path`` (the driver signals it there), and SIGINT unblocked for the run. Ray's
+    worker blocks SIGINT in its main thread (the mask outlives the task), so without this the driver's forwarded
+    Ctrl-C would never reach StopRequests as a SIGTERM does; the mask is restored afterwards."""
     import os
     import sys
 
-    from stalerl.core.interrupt import StopRequests
-
     if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "a", buffering=1)
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         sys.stdout = sys.stderr = out
     if pid_path:
         Path(pid_path).write_text(str(os.getpid()))
-    # Ray's worker blocks SIGINT in its main thread (the mask outlives the task): unblocked for the run, so the
-    # driver's forwarded Ctrl-C reaches StopRequests as a SIGTERM does.
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     try:
-        with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see forward_signal)
-            return train_with_summary(cfg)
-    except RunInterrupted as exc:  # a BaseException would kill Ray's worker: hand it back as a value
-        return {INTERRUPTED_KEY: {**exc.record(), "note": exc.note}}
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Optional[str] = None) -> dict[str, Any]:
+    from stalerl.core.interrupt import StopRequests
+
+    with in_ray_task(log_path, pid_path):
+        try:
+            with StopRequests():  # the driver forwards SIGTERM/SIGINT here (see forward_signal)
+                return train_with_summary(cfg)
+        except RunInterrupted as exc:  # a BaseException would kill Ray's worker: hand it back as a value
+            return {INTERRUPTED_KEY: {**exc.record(), "note": exc.note}}
 
 
 def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:

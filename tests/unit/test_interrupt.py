@@ -73,3 +73,28 @@ def test_a_second_signal_during_a_step_stops_at_once():
         with pytest.raises(RunInterrupted) as stop:
             _signal_self()
     assert "second signal" in str(stop.value)
+
+
+def test_a_run_inside_a_ray_task_gets_its_log_its_pid_and_sigint(tmp_path):
+    """in_ray_task (both Ray entry points use it): as in Ray's worker, SIGINT starts blocked; inside, it is unblocked
+    (a forwarded Ctrl-C reaches the run), the output goes to the log and the pid file names the process; afterwards
+    the worker's mask is back. Run in a child process: the redirection replaces stdout/stderr for good."""
+    import subprocess
+    import sys
+
+    log, pid = tmp_path / "logs" / "run.log", tmp_path / "run.pid"
+    child = (
+        "import os, signal, sys\n"
+        "from stalerl.launch.launcher import in_ray_task\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+        f"with in_ray_task({str(log)!r}, {str(pid)!r}):\n"
+        "    print('inside', signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+        "    print('to stderr', file=sys.stderr)\n"
+        "print('after', signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+        "os.write(1, str(os.getpid()).encode())\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == ""  # everything went to the log, even after the block
+    text = log.read_text()
+    assert "inside False" in text and "to stderr" in text and "after True" in text
+    assert text.endswith(pid.read_text())
