@@ -29,6 +29,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -466,7 +467,8 @@ def write_figures(cells: Sequence[Cell], out_dir: Path, *, study: str,
     for metric, path in figure_paths(cells, out_dir, study=study, metrics=metrics).items():
         ncol = min(len(settings), 4)
         nrow = math.ceil(len(settings) / ncol)
-        fig = Figure(figsize=(4 * ncol, 3 * nrow), dpi=100)
+        # One setting alone still gets a figure wide enough for the long metric names in its titles
+        fig = Figure(figsize=(max(4 * ncol, 6.4), 3 * nrow), dpi=100)
         FigureCanvasAgg(fig)
         for i, setting in enumerate(settings):
             ax = fig.add_subplot(nrow, ncol, i + 1)
@@ -484,9 +486,10 @@ def write_figures(cells: Sequence[Cell], out_dir: Path, *, study: str,
                                     linewidth=0)
             ax.set_title(setting, fontsize=9)
             ax.set_xlabel("step")
-            ax.set_ylabel(metric)
+            ax.set_ylabel(metric if len(metric) <= 28 else metric.rsplit("/", 1)[-1], fontsize=8)
             ax.legend(fontsize=7)
-        fig.suptitle(f"{study}: {metric} (mean, 95% t-band over seeds)", fontsize=10)
+        fig.suptitle(textwrap.fill(f"{study}: {metric} (mean, 95% t-band over seeds)", 11 * max(4 * ncol, 6.4)),
+                     fontsize=10)
         fig.tight_layout()
         buf = __import__("io").BytesIO()
         # No Software/date metadata: the same matplotlib version writes the same bytes.
