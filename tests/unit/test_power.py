@@ -153,7 +153,7 @@ def test_bad_power_keys_fail_with_one_line_naming_the_key():
 
 
 # ------------------------------------------------------------------------------------------------ the new specs
-@pytest.mark.parametrize("name,runs_per_seed,claims", [("chain_tau", 6, 6), ("chain_lr", 3, 4), ("add_noclip", 2, 2)])
+@pytest.mark.parametrize("name,runs_per_seed,claims", [("chain_tau", 6, 6), ("chain_lr", 4, 6), ("add_noclip", 2, 2)])
 def test_issue_30_specs_load_validate_and_pass_their_power_check(name, runs_per_seed, claims):
     spec = load_spec(STUDY / f"{name}.yaml")
     assert len(expand(spec)) == 8 * runs_per_seed
