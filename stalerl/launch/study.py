@@ -92,8 +92,8 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     spec.setdefault("doc", "docs/algorithms/m2po.md")
     spec.setdefault("experiment_name", f"study-{spec['name']}")
     spec["seeds"] = [int(s) for s in spec["seeds"]]
-    spec["registered_seeds"] = list(spec["seeds"])  # the plan the claims' power is stated for (--seeds may cut it)
-    # The whole grid as registered: study.json and the block describe it, whichever cut one invocation ran
+    # The whole grid as registered: study.json and the block describe it, and the claims' power is stated for its
+    # seeds, whichever --seeds/--losses/--settings cut one invocation runs
     spec["registered"] = {"seeds": list(spec["seeds"]), "losses": list(spec["losses"]),
                           "settings": dict(spec["settings"])}
     _check_loss_map(spec, p, "variant_losses", "variants", "a variant name to the losses run with it")
@@ -462,7 +462,7 @@ def check_power(spec: dict[str, Any], *, out=print) -> None:
         return
     from stalerl.results.report_prereg import parse_claims, power_report
 
-    n = len(spec.get("registered_seeds") or spec["seeds"])
+    n = len(spec.get("registered", spec)["seeds"])
     report = power_report(parse_claims(claims), n)
     out(f"study {spec['name']}: power of the pre-registered claims at the spec's {n} seeds (paired normal "
         "differences with the stated SD; Holm can only lower it):")
