@@ -42,7 +42,7 @@ CHILD = r"""
 import json, resource, sys
 import stalerl.training.actor as actor_mod
 if sys.argv[1] == "plain":
-    actor_mod.reproduces_plain_logprobs = lambda model: False
+    actor_mod.chunked_logprob_check = lambda model: (False, "forced by bench/logprob_one_step.py")
 sys.argv = ["gsm8k_rl.py", *sys.argv[2:]]
 from stalerl.launch.cli import main
 code = main()

@@ -67,7 +67,7 @@ for path in (config_dir() / "m2po_trainer.yaml", config_dir() / "fipo_trainer.ya
 plugins = {e.name: e.value for e in md.entry_points(group="verl.plugins")}
 assert plugins.get("stalerl") == "recipe.verl.plugin", plugins
 scripts = {e.name: e.value for e in md.entry_points(group="console_scripts") if e.dist.name == "stalerl"}
-expected = {"stalerl-plot", "stalerl-report", "stalerl-study", "stalerl-verl-config-path"}
+expected = {"stalerl-plot", "stalerl-report", "stalerl-study", "stalerl-model", "stalerl-verl-config-path"}
 assert set(scripts) == expected, scripts
 out = subprocess.run(["stalerl-verl-config-path"], capture_output=True, text=True, check=True).stdout.strip()
 assert pathlib.Path(out) == config_dir(), (out, config_dir())

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Install stalerl for development on a CPU machine: CPU torch first, then the project with its test and verl extras,
-# with torch pinned so that no dependency can swap in a multi-GB CUDA build, then a check that what got installed
-# is the CPU build (scripts/check_cpu_torch.py: torch.version.cuda is None, no nvidia-*/triton packages).
+# Install stalerl for development on a CPU machine: CPU torch first, then the project with its test, verl and model
+# extras, with torch pinned so that no dependency can swap in a multi-GB CUDA build and every other package pinned by
+# constraints/cpu.txt (the versions the docs' results were made with: transformers 5.10.4, matplotlib 3.11.2, ...),
+# then a check that what got installed is the CPU build (scripts/check_cpu_torch.py: torch.version.cuda is None, no
+# nvidia-*/triton packages). STALERL_CONSTRAINTS=FILE uses another constraints file, STALERL_CONSTRAINTS=none none.
 # Where: the active virtual environment if one is active (CI's), else ./.venv (made with python3 -m venv if absent),
 # never a system interpreter. Torch comes from the PyTorch CPU wheel index when it answers (on Linux x86_64 the
 # public index alone would resolve the CUDA build), else from pip's configured index (here a local CPU file);
@@ -9,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
-EXTRAS=${STALERL_EXTRAS:-test,verl}
+EXTRAS=${STALERL_EXTRAS:-test,verl,model}
+CONSTRAINTS=${STALERL_CONSTRAINTS:-constraints/cpu.txt}
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   PY="$VIRTUAL_ENV/bin/python3"
@@ -34,7 +37,12 @@ fi
 pin=$(mktemp)
 trap 'rm -f "$pin"' EXIT
 echo "torch==${TORCH_VERSION}" > "$pin"
-"$PY" -m pip install -q -e ".[${EXTRAS}]" -c "$pin"
+constraints=(-c "$pin")
+if [ "$CONSTRAINTS" != none ]; then
+  echo "setup: versions pinned by $CONSTRAINTS"
+  constraints+=(-c "$CONSTRAINTS")
+fi
+"$PY" -m pip install -q -e ".[${EXTRAS}]" "${constraints[@]}"
 "$PY" scripts/check_cpu_torch.py
 "$PY" - <<PY
 import sys, torch

@@ -280,6 +280,13 @@ class ActorConfig(_Section):
                             help="Behaviour log-probs: rollout = the engine's sampling log-probs; recompute = a "
                                  "training-engine forward at the generating weights (the paper authors' choice).")
     kl_coef: float = _f(0.0, help="KL penalty against a reference model. Not supported yet: must be 0.")
+    skip_zero_advantage_groups: bool = _f(
+        False, help="Opt-in: leave prompt groups whose advantages are all zero (every sample got the same reward) "
+                    "out of the update: no forward/backward for them (counted in skip/*). Their tokens then also "
+                    "leave the loss's denominator, so with token-mean the step is the no-skip step scaled by "
+                    "(all valid tokens / kept tokens): a larger effective learning rate on batches with many "
+                    "solved or hopeless prompts (docs/algorithms/m2po.md). A step with every group skipped takes "
+                    "no optimizer step (the learning-rate schedule still advances).")
 
     def _check(self) -> List[Tuple[str, str]]:
         out = []
@@ -341,6 +348,10 @@ class SyntheticDataConfig(_Section):
     train_size: int = _f(20000, ge=1, help="Examples in the train split.")
     test_size: int = _f(256, ge=1, help="Examples in the test split.")
     seed: int = _f(1234, ge=0, help="Generator seed (the splits are disjoint and reproducible).")
+    question_style: str = _f("equation", choices=("equation", "what_is"),
+                             help="How an arithmetic question reads: equation = '53+5=?' (the embedded char "
+                                  "model's format), what_is = 'What is 53+5?' (what an instruct model answers "
+                                  "best). The same problems either way; word problems ignore it.")
 
 
 @dataclass
@@ -364,6 +375,19 @@ class DatasetConfig(_Section):
         if not self.path.strip():
             return [("path", "got ''; expected 'synthetic', a file, a directory or a dataset name.")]
         return []
+
+
+@dataclass
+class PromptConfig(_Section):
+    """How a question becomes the prompt the policy sees (stalerl.core.model.PromptFormatter)."""
+
+    format: str = _f("auto", choices=("auto", "chat", "plain", "char"),
+                     help="auto = char for the embedded char tokenizer, chat when the tokenizer has a chat template "
+                          "(the template applied to one user message, with the generation prompt), else plain "
+                          "('Question: ...\\nAnswer:').")
+    instruction: Optional[str] = _f(None, help="Text appended to the question in the user message; null = the "
+                                               "format's default (chat: ask for \\boxed{}; char/plain: none). "
+                                               "E.g. ' Answer with just the number.' for short arithmetic.")
 
 
 @dataclass
@@ -412,6 +436,9 @@ class StatsLoggerConfig(_Section):
                        "(mean d^2, the part of M2 that is engine mismatch, not staleness), d = trainer - engine "
                        "log-prob per token. One no-grad forward of that batch; training is unchanged. null = never "
                        "(stalerl/training/mismatch.py, docs/gpu.md).")
+    mismatch_max_rows: Optional[int] = _f(
+        None, ge=1, help="Probe only the first N rows of that batch (the probe is one no-grad forward of what it "
+                         "covers: on a CPU with a real model, a full 64-row batch costs ~15% of a step); null = all.")
 
 
 @dataclass
@@ -459,6 +486,7 @@ class ExperimentConfig(_Section):
                                       help="Training prompts.")
     valid_dataset: DatasetConfig = _f(factory=lambda: DatasetConfig(split="test", batch_size=256, shuffle=False),
                                       help="Evaluation prompts.")
+    prompt: PromptConfig = _f(factory=PromptConfig, help="Prompt format.")
     saver: SaverConfig = _f(factory=SaverConfig, help="Model export.")
     evaluator: EvaluatorConfig = _f(factory=EvaluatorConfig, help="Evaluation schedule.")
     recover: RecoverConfig = _f(factory=RecoverConfig, help="Checkpoint/resume.")

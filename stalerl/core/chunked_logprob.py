@@ -222,12 +222,20 @@ def head_returns_token_logprobs(model: torch.nn.Module, ids: torch.Tensor, colum
 
 @torch.no_grad()
 def reproduces_plain_logprobs(model: torch.nn.Module, atol: float = 1e-4) -> bool:
-    """Whether :func:`head_returns_token_logprobs` gives this model's plain log-probs: a bias-free linear head, and
-    a forward that returns the head's output as the logits (no soft-capping or scaling after it). Checked once on a
-    4-token sequence in float32, before any sharding (the model's own code decides, so no list of model types)."""
+    """Whether :func:`head_returns_token_logprobs` gives this model's plain log-probs (see
+    :func:`chunked_logprob_check`, which also says why not)."""
+    return chunked_logprob_check(model, atol)[0]
+
+
+def chunked_logprob_check(model: torch.nn.Module, atol: float = 1e-4) -> tuple[bool, str]:
+    """``(ok, reason)``: whether :func:`head_returns_token_logprobs` gives this model's plain log-probs: a bias-free
+    linear head, and a forward that returns the head's output as the logits (no soft-capping or scaling after it).
+    Checked once on a 4-token sequence in float32, before any sharding (the model's own code decides, so no list of
+    model types). ``reason`` says why not (empty when ok): the actor logs it, since the fallback, the plain logits
+    path, materialises (tokens x vocab) logits (multi-GB on a GPU at a 150k vocabulary)."""
     head = output_head(model)
     if head is None:
-        return False
+        return False, "the model has no bias-free linear output head the chunked path can replace"
     device = head.weight.device
     vocab = head.weight.shape[0]
     seq = (torch.arange(4, device=device) * 7 + 1).remainder(vocab).unsqueeze(0)
@@ -238,8 +246,14 @@ def reproduces_plain_logprobs(model: torch.nn.Module, atol: float = 1e-4) -> boo
         plain = plain.gather(-1, seq[:, 1:].unsqueeze(-1)).squeeze(-1)
         with head_returns_token_logprobs(model, seq[:, 1:], slice(0, 3)):
             chunked = model(input_ids=seq, use_cache=False).logits
-    except Exception:  # a model whose forward does something else with the head's output: use the plain path
-        return False
+    except Exception as exc:  # a model whose forward does something else with the head's output: use the plain path
+        return False, f"the model's forward failed with the chunked head ({type(exc).__name__}: {exc})"[:300]
     finally:
         model.train(was_training)
-    return chunked.shape == plain.shape and bool(torch.allclose(chunked.float(), plain, atol=atol, rtol=0))
+    if chunked.shape != plain.shape:
+        return False, f"the forward reshaped the head's output ({tuple(chunked.shape)} vs {tuple(plain.shape)})"
+    diff = float((chunked.detach().float() - plain.detach()).abs().max())
+    if diff > atol:
+        return False, (f"the forward post-processes the head's output (chunked vs plain log-probs differ by {diff:.3g} "
+                       f"> {atol:g}; e.g. logit soft-capping or scaling)")
+    return True, ""

@@ -297,12 +297,14 @@ def load_policy(
         model.eval()
         return model, tokenizer
 
-    local = os.path.expanduser(path)
+    from stalerl.core.model_store import resolve_model_path, stderr_log  # a known model name: fetched once
+
+    local = os.path.expanduser(resolve_model_path(path, log=stderr_log))
     if not os.path.exists(local):
         raise FileNotFoundError(
             f"actor.path={path!r} does not exist. Nothing is downloaded: use a built-in tiny model "
-            "(actor.path=tiny:qwen2 or tiny:llama) or a local directory holding a Hugging Face checkpoint "
-            "(config.json, weights, tokenizer files)"
+            "(actor.path=tiny:qwen2 or tiny:llama), a known model (stalerl-model list), or a local directory "
+            "holding a Hugging Face checkpoint (config.json, weights, tokenizer files)"
         )
     if not os.path.isdir(local):
         raise ValueError(
@@ -359,7 +361,9 @@ class PromptFormatter:
     KINDS = ("char", "chat", "plain")
     BOXED_INSTRUCTION = "\nPlease put your final answer within \\boxed{}."
 
-    def __init__(self, tokenizer, kind: Optional[str] = None):
+    def __init__(self, tokenizer, kind: Optional[str] = None, instruction: Optional[str] = None):
+        if kind == "auto":
+            kind = None
         if kind is None:
             if is_char_tokenizer(tokenizer):
                 kind = "char"
@@ -373,17 +377,28 @@ class PromptFormatter:
             raise ValueError("prompt format 'chat' needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.kind = kind
+        # prompt.instruction: appended to the question; None = the kind's default (only chat has one)
+        self.instruction = instruction if instruction is not None else (
+            self.BOXED_INSTRUCTION if kind == "chat" else "")
+
+    @classmethod
+    def from_config(cls, tokenizer, cfg: Any) -> "PromptFormatter":
+        """The run config's ``prompt`` section (every process that formats prompts builds it this way)."""
+        prompt = getattr(cfg, "prompt", None)
+        if prompt is None:
+            return cls(tokenizer)
+        return cls(tokenizer, kind=prompt.format, instruction=prompt.instruction)
 
     def format(self, question: str) -> str:
         if self.kind == "char":
-            return f"Q: {question} A:"
+            return f"Q: {question}{self.instruction} A:"
         if self.kind == "chat":
             return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": question + self.BOXED_INSTRUCTION}],
+                [{"role": "user", "content": question + self.instruction}],
                 add_generation_prompt=True,
                 tokenize=False,
             )
-        return f"Question: {question}\nAnswer:"
+        return f"Question: {question}{self.instruction}\nAnswer:"
 
     def sft_target(self, example) -> str:
         if self.kind != "chat":

@@ -29,9 +29,14 @@ from typing import Iterable
 
 from stalerl.data.example import Example
 
-__all__ = ["TASKS", "generate_synthetic", "synthetic_splits", "write_gsm8k_jsonl", "problem_space_size"]
+__all__ = ["QUESTION_STYLES", "TASKS", "generate_synthetic", "synthetic_splits", "write_gsm8k_jsonl",
+           "problem_space_size"]
 
 TASKS = ("add", "addcot", "chain", "word")
+# How an arithmetic question reads: "equation" ``53+5=?`` (the char model's format) or "what_is" ``What is 53+5?``,
+# which an instruct model answers far more often (SmolLM2-135M-Instruct, operands <= 20, greedy: 0.43 vs 0.30).
+# ``word`` problems are sentences already and ignore it.
+QUESTION_STYLES = ("equation", "what_is")
 
 _NAMES = (
     ("Tom", "He", "he"), ("Anna", "She", "she"), ("Ben", "He", "he"), ("Mia", "She", "she"),
@@ -47,9 +52,11 @@ _TEMPLATES = (
 )
 
 
-def _check(task: str, max_operand: int, train_size: int, test_size: int) -> None:
+def _check(task: str, max_operand: int, train_size: int, test_size: int, question_style: str = "equation") -> None:
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
+    if question_style not in QUESTION_STYLES:
+        raise ValueError(f"unknown question style {question_style!r}; choose one of {', '.join(QUESTION_STYLES)}")
     low = 1 if task == "word" else 0
     if not isinstance(max_operand, int) or isinstance(max_operand, bool) or max_operand < low:
         raise ValueError(f"max_operand must be an integer >= {low} for task {task!r}, got {max_operand!r}")
@@ -81,6 +88,14 @@ def _draw_key(task: str, rng: random.Random, m: int) -> tuple:
     if task == "chain":
         return (rng.randint(0, m), rng.randint(0, m), rng.randint(0, m))
     return (rng.randint(0, m), rng.randint(0, m))
+
+
+def _restyle(example: Example, style: str) -> Example:
+    if style == "equation" or not example.question.endswith("=?"):
+        return example
+    if style != "what_is":
+        raise ValueError(f"unknown question style {style!r}; choose one of {', '.join(QUESTION_STYLES)}")
+    return Example(question=f"What is {example.question[:-2]}?", answer=example.answer, final=example.final)
 
 
 def _render(task: str, key: tuple, rng: random.Random) -> Example:
@@ -136,9 +151,11 @@ def synthetic_splits(
     train_size: int = 20000,
     test_size: int = 256,
     seed: int = 1234,
+    question_style: str = "equation",
 ) -> tuple[list[Example], list[Example]]:
-    """``(train, test)`` example lists, disjoint by problem numbers and deterministic in the arguments."""
-    _check(task, max_operand, train_size, test_size)
+    """``(train, test)`` example lists, disjoint by problem numbers and deterministic in the arguments. The question
+    style changes only the question's wording, never which problems are drawn."""
+    _check(task, max_operand, train_size, test_size, question_style)
     test_keys = _test_keys(task, max_operand, test_size, seed)
     text_rng = _rng(task, max_operand, seed, "test-text")
     test = [_render(task, k, text_rng) for k in test_keys]
@@ -150,7 +167,7 @@ def synthetic_splits(
         if key in held_out:
             continue
         train.append(_render(task, key, rng))
-    return train, test
+    return [_restyle(e, question_style) for e in train], [_restyle(e, question_style) for e in test]
 
 
 def generate_synthetic(
@@ -161,16 +178,19 @@ def generate_synthetic(
     train_size: int = 20000,
     test_size: int = 256,
     seed: int = 1234,
+    question_style: str = "equation",
 ) -> list[Example]:
     """One split (``"train"`` or ``"test"``) of ``synthetic_splits``. The test split is the same whatever
     ``train_size``; asking for the test split does not generate the train split."""
     if split == "test":
-        _check(task, max_operand, train_size, test_size)
+        _check(task, max_operand, train_size, test_size, question_style)
         text_rng = _rng(task, max_operand, seed, "test-text")
-        return [_render(task, k, text_rng) for k in _test_keys(task, max_operand, test_size, seed)]
+        return [_restyle(_render(task, k, text_rng), question_style)
+                for k in _test_keys(task, max_operand, test_size, seed)]
     if split == "train":
         return synthetic_splits(
-            task, max_operand=max_operand, train_size=train_size, test_size=test_size, seed=seed
+            task, max_operand=max_operand, train_size=train_size, test_size=test_size, seed=seed,
+            question_style=question_style,
         )[0]
     raise ValueError(f"synthetic split must be 'train' or 'test', got {split!r}")
 

@@ -11,10 +11,12 @@ import os
 from typing import Any, Optional
 
 from stalerl.core.errors import UserError
+from stalerl.core.model_store import is_known_model
 
 CPU_CONFIG_HINT = ("for a CPU machine use the CPU config (--config examples/math/gsm8k_m2po_cpu.yaml: the embedded "
                    "tiny model and synthetic data, no download)")
-GPU_RUN_HINT = ("on a GPU machine pass a local Hugging Face model directory and GSM8K data: actor.path=<model dir> "
+GPU_RUN_HINT = ("on a GPU machine pass a local Hugging Face model directory (or a known model: stalerl-model list) and "
+                "GSM8K data: actor.path=<model dir> "
                 "train_dataset.path=<gsm8k dir> valid_dataset.path=<gsm8k dir> (or set STALERL_MODEL_PATH and "
                 "GSM8K_PATH)")
 
@@ -33,7 +35,7 @@ def path_problems(cfg: Any) -> list[str]:
     """Model, tokenizer and dataset paths that do not exist (nothing is downloaded at run time)."""
     out = []
     for key, path in (("actor.path", cfg.actor.path), ("tokenizer_path", cfg.tokenizer_path)):
-        if not path or path.startswith("tiny:"):
+        if not path or path.startswith("tiny:") or is_known_model(path):  # a known model: fetch_known_models
             continue
         local = os.path.expanduser(path)
         if not os.path.exists(local):
@@ -82,6 +84,7 @@ def check_before_launch(cfg: Any, *, check_device: Optional[bool] = None) -> Non
     if check_device:
         problems += device_problems(cfg)
     if not problems:
+        fetch_known_models(cfg)
         return
     hints = []
     if _wants_cuda(cfg) and any(p.startswith("actor.device") for p in problems):
@@ -92,6 +95,17 @@ def check_before_launch(cfg: Any, *, check_device: Optional[bool] = None) -> Non
                      "point the keys at existing paths (nothing is downloaded at run time)")
     raise UserError("this config cannot run here: " + "; ".join(problems)
                     + (". Fix: " + "; ".join(hints) if hints else ""))
+
+
+def fetch_known_models(cfg: Any) -> None:
+    """A known model name in actor.path / tokenizer_path (``smollm2-135m-instruct``) is fetched and converted here,
+    once, before any worker starts (workers then find it cached; :mod:`stalerl.core.model_store`). The config keeps
+    the name. Its errors are one-line user errors (no network and no GGUF, a bad checksum, a full disk)."""
+    from stalerl.core.model_store import resolve_model_path, stderr_log
+
+    for path in {cfg.actor.path, cfg.tokenizer_path} - {None}:
+        if is_known_model(path):
+            resolve_model_path(path, log=stderr_log)
 
 
 def run_root_problems(cfg: Any) -> list[str]:

@@ -26,9 +26,19 @@ Paths in a spec are relative to the working directory: run the shipped specs fro
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
 process's machine, under ``<fileroot>/warm_start/``, shared by studies) and every RL run of that seed starts from the
 saved model (``actor.path=<cache> warm_start.steps=0``; the weights are saved exactly, so the RL runs are those of
-an in-run warm start up to the RNG use of the warm start itself). Runs whose ``summary.json`` already says
-``finished`` are not rerun (``--force`` reruns them), so an interrupted study resumes where it stopped. Under Slurm
-the cache and the run directories must be on a shared filesystem (``cluster.fileroot``).
+an in-run warm start up to the RNG use of the warm start itself). Under Slurm the cache and the run directories must
+be on a shared filesystem (``cluster.fileroot``).
+
+Reuse: a run is not rerun when a summary of it (in its run directory, else collected in ``results``) says
+``finished`` or ``diverged`` and was written by the same run of the same code (:func:`reuse_refusal`): the same
+``config_digest_stable`` (the resolved config without names and machine-local paths, see
+stalerl.results.run_summary), a recorded commit equal to this checkout's HEAD, and the same uncommitted changes
+(``code.dirty`` and ``code.dirty_digest`` equal: a clean tree reuses only runs of a clean tree, a dirty one only runs
+of exactly the same changes; ``docs/``, where studies write, does not count). A summary without a recorded commit
+(written before commits were recorded, or outside a git checkout) is never reused, and outside a git checkout nothing
+is. So an interrupted study resumes where it stopped, in this checkout or a fresh clone at the same commit, and a
+study run again after the code changed reruns everything (``--force`` reruns everything anyway). study.json records,
+per reused run, the summary it came from and that summary's commit (``reused``).
 """
 
 from __future__ import annotations
@@ -321,9 +331,10 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
     if dry_run:
         return 0
 
-    # 1. Which runs are already done: finished in their run directory, or (a study resumed in a fresh checkout,
-    #    whose run directories are gone) collected in ``results`` from the very same config. With the warm-start
-    #    cache every RL run starts from its seed's saved model (its path is part of the config, known beforehand).
+    # 1. Which runs are already done: finished (or diverged) in their run directory, or (a study resumed in a fresh
+    #    checkout, whose run directories are gone) collected in ``results``, from the same config and the same code
+    #    (reuse_refusal). With the warm-start cache every RL run starts from its seed's saved model (its path is part
+    #    of the config, known beforehand).
     cached = spec["warm_start_cache"] and configs[0].warm_start.steps > 0
     warm_cmds: dict[str, list[str]] = {}
     if cached:
@@ -334,13 +345,22 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
             r["overrides"] += [f"actor.path={d}", "warm_start.steps=0"]
         configs = [_load(spec["config"], r["overrides"]) for r in runs]
     results = Path(spec["results"])
-    collected = {} if force else {r["trial"]: s for r, c in zip(runs, configs)
-                                  if (s := collected_summary(results, r["trial"], c)) is not None}
-    todo = [(r, c) for r, c in zip(runs, configs)
-            if force or (_status(run_dir(c)) not in ("finished", "diverged")  # a divergence is a result
-                         and r["trial"] not in collected)]
-    kept = [collected[r["trial"]] for r, c in zip(runs, configs)
-            if r["trial"] in collected and _status(run_dir(c)) is None]
+    from stalerl.results.run_summary import code_state
+
+    here = code_state()
+    reused: dict[str, tuple[Path, dict[str, Any]]] = {}  # trial -> (the summary file it came from, the summary)
+    refused: dict[str, int] = {}  # why finished summaries were not reused -> how many
+    if not force:
+        for r, c in zip(runs, configs):
+            found = find_reusable(r["trial"], c, results, here)
+            if isinstance(found, tuple):
+                reused[r["trial"]] = found
+            elif found:
+                refused[found] = refused.get(found, 0) + 1
+    todo = [(r, c) for r, c in zip(runs, configs) if r["trial"] not in reused]
+    # A run to do may hold an earlier run's summary (other code or config): collected only if the run rewrites it
+    stale = {r["trial"]: _mtime(run_dir(c) / SUMMARY_FILE) for r, c in todo}
+    kept = [s for path, s in reused.values() if path.parent == results]  # no run directory here: maybe another machine
     if todo and kept:
         check_same_kernels(spec["name"], kept)
 
@@ -364,9 +384,12 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
             print(f"warm starts: {len(jobs)} in {time.time() - t0:.0f}s")
 
     # 3. The grid.
-    print(f"{len(runs) - len(todo)} runs already finished"
-          f"{f' ({len(kept)} of them only in {results}, collected from the same config)' if kept else ''}; "
-          f"running {len(todo)}")
+    for why, n in sorted(refused.items()):
+        print(f"study {spec['name']}: not reusing {n} finished run{'s' if n > 1 else ''}: {why}")
+    code_now = "no git checkout" if not here["commit"] else f"commit {here['commit'][:12]}" + (
+        f" with uncommitted changes {here['dirty_digest']}" if here["dirty"] else "")
+    print(f"{len(reused)} runs already finished with this config and code ({code_now})"
+          f"{f'; {len(kept)} of them only in {results}' if kept else ''}; running {len(todo)}")
     codes: dict[str, int] = {}
     sweep_signum = None  # a cluster sweep takes the signal itself (stalerl.launch.cli.run_sweep_on) and says which
     if todo and kind == "local":
@@ -392,13 +415,15 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
     statuses: dict[str, Optional[str]] = {}
     for r, cfg in zip(runs, configs):
         path = run_dir(cfg) / SUMMARY_FILE
-        summary = read_summary(path) if path.is_file() else None
+        if r["trial"] in reused:  # from its run directory, or collected earlier (its run directory is gone)
+            summary = reused[r["trial"]][1]
+        else:  # run now (a summary it did not write, e.g. one that never started after a signal, is not its own)
+            fresh = r["trial"] in codes and _mtime(path) not in (None, stale.get(r["trial"]))
+            summary = read_summary(path) if fresh else None
         if signum is not None and (summary or {}).get("status") not in ("finished", "diverged"):
             summary = None  # stopped, or never started: collected when the resumed study has run it
         if summary is not None:
             pass
-        elif r["trial"] in collected:  # collected earlier, from this config; its run directory is gone
-            summary = collected[r["trial"]]
         elif signum is not None:
             continue
         else:
@@ -429,6 +454,11 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
             "command": invocation or command or f"stalerl-study run {spec_path}", "runs": len(todo),
             "wall_s": round(own, 1)}] if todo else []),
     }
+    # What was reused, from where: this invocation's reuses, and an earlier invocation's for runs it did not list
+    listed = {r["trial"] for r in runs}
+    earlier_reused = {t: v for t, v in (_read_study_file(results / STUDY_FILE).get("reused") or {}).items()
+                      if t not in listed and (results / f"{t}.json").is_file()}
+    meta["reused"] = {**earlier_reused, **{t: reuse_record(p, s) for t, (p, s) in reused.items()}}
     for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
         if spec.get(key):
             meta[key] = spec[key]
@@ -439,8 +469,8 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
         done = sum(1 for v in statuses.values() if v in ("finished", "diverged"))
         print(f"study {spec['name']}: interrupted by {signal_name(signum)}: {done} of {len(runs)} runs finished, "
               f"their summaries collected in {results} (wall time so far {wall / 60:.1f} min); the report was not "
-              "updated; the same command resumes (in a fresh checkout too: runs whose collected summary has their "
-              "config are not re-run)", file=sys.stderr)
+              "updated; the same command resumes (in a fresh checkout at the same commit too: runs whose collected "
+              "summary has their config and code are not re-run)", file=sys.stderr)
         return 128 + signum
     print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
@@ -550,17 +580,72 @@ def _method_labels(spec: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(m for labels in _labels_per_loss(spec) for m in labels))
 
 
-def collected_summary(results: Path, trial: str, cfg: Any) -> Optional[dict[str, Any]]:
-    """The summary already collected in ``results`` for ``trial`` if that run finished (or diverged: a result) with
-    exactly this config (``config_digest``: every key, seed and threads included), else None. Run directories are
-    machine-local and not committed; the collected summaries are, so a study cut short in one session goes on in the
-    next without re-running what it has."""
-    from stalerl.results.run_summary import _config_dict
+def reuse_refusal(summary: Optional[dict[str, Any]], stable: str, here: dict[str, Any]) -> Optional[str]:
+    """Why a run's existing summary may not stand for a run of the config whose ``config_digest_stable`` is ``stable``
+    under the code ``here`` (stalerl.results.run_summary.code_state), or None when it may: it finished or diverged
+    (a divergence is a result), with the same stable digest, a recorded commit equal to ``here``'s, and the same
+    uncommitted changes (both clean, or both dirty with the same ``dirty_digest``)."""
+    if not summary:
+        return "no summary"
+    if summary.get("status") not in ("finished", "diverged"):
+        return f"status {summary.get('status')}"
+    if "config_digest_stable" not in summary:
+        return "no stable config digest recorded (a summary from before provenance was recorded)"
+    if summary["config_digest_stable"] != stable:
+        return "another config (config_digest_stable differs)"
+    code = summary.get("code") or {}
+    if not code.get("commit"):
+        return "no commit recorded (written outside a git checkout)"
+    if not here.get("commit"):
+        return "this process does not run from a git checkout, so no recorded commit can be checked"
+    if code["commit"] != here["commit"]:
+        return f"written at commit {code['commit'][:12]}, HEAD is {here['commit'][:12]}"
+    if code.get("dirty") is None or here.get("dirty") is None:
+        return "the uncommitted changes could not be determined"
+    if (code["dirty"], code.get("dirty_digest")) != (here["dirty"], here.get("dirty_digest")):
+        def state(c: dict[str, Any]) -> str:
+            return f"uncommitted changes {c.get('dirty_digest')}" if c["dirty"] else "a clean tree"
+        return f"written with {state(code)}, this checkout has {state(here)}"
+    return None
+
+
+def find_reusable(trial: str, cfg: Any, results: Path, here: dict[str, Any]):
+    """(path, summary) of a summary that may stand for this run (its run directory's first, then the one collected
+    in ``results``: run directories are machine-local and not committed, the collected summaries are, so a study cut
+    short in one session goes on in the next), else the reason the finished one found was not reused, or None when
+    there is no finished summary at all."""
+    from stalerl.config import run_dir
+    from stalerl.results.run_summary import stable_digest
+
+    stable = stable_digest(cfg)
+    why = None
+    for path in (run_dir(cfg) / SUMMARY_FILE, results / f"{trial}.json"):
+        summary = read_summary_file(path) if path.is_file() else None
+        if summary is None or summary.get("status") not in ("finished", "diverged"):
+            continue
+        why = reuse_refusal(summary, stable, here)
+        if why is None:
+            return path, summary
+    return why
+
+
+def collected_summary(results: Path, trial: str, cfg: Any,
+                      here: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The summary already collected in ``results`` for ``trial`` if it may stand for this run (:func:`reuse_refusal`
+    with this checkout's code, or ``here``), else None."""
+    from stalerl.results.run_summary import code_state, stable_digest
 
     summary = read_summary_file(results / f"{trial}.json")
-    if not summary or summary.get("status") not in ("finished", "diverged"):
-        return None
-    return summary if summary.get("config_digest") == digest(_config_dict(cfg)) else None
+    ok = reuse_refusal(summary, stable_digest(cfg), code_state() if here is None else here) is None
+    return summary if ok else None
+
+
+def reuse_record(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """study.json's record of a reused run: the summary file it came from and the code that wrote it."""
+    code = summary.get("code") or {}
+    return {"summary": str(path), "commit": code.get("commit"), "dirty": code.get("dirty"),
+            "dirty_digest": code.get("dirty_digest"), "config_digest_stable": summary.get("config_digest_stable"),
+            "status": summary.get("status")}
 
 
 def run_kernels(machine: dict[str, Any]) -> str:
@@ -589,16 +674,17 @@ def check_same_kernels(name: str, kept: list[dict[str, Any]]) -> None:
                          f"it as `{hint}stalerl-study run ...` with the same torch, or add --force to re-run every run")
 
 
-def _status(d: Path) -> Optional[str]:
+def _mtime(path: Path) -> Optional[int]:
     try:
-        return read_summary(d)["status"]
-    except (OSError, ValueError, KeyError):
+        return path.stat().st_mtime_ns
+    except OSError:
         return None
 
 
 # Provenance, not outcome: left out when a re-run is compared with a collected summary.
 _PROVENANCE_FIELDS = ("run", "experiment", "config_digest", "setting_digest", "wall_s", "wall_s_total",
-                      "step_seconds", "machine", "warm_start_cached")
+                      "step_seconds", "machine", "warm_start_cached", "config_digest_stable", "code", "started_utc",
+                      "ended_utc", "versions")
 
 
 def _differences(old: Any, new: Any, path: str = "") -> list[str]:

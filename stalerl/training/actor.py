@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
-from stalerl.core.chunked_logprob import default_chunk_elements, head_returns_token_logprobs, reproduces_plain_logprobs
+from stalerl.core.chunked_logprob import chunked_logprob_check, default_chunk_elements, head_returns_token_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
 from stalerl.training import fsdp
@@ -154,7 +154,8 @@ class Actor:
         # Log-probs from the last hidden states in chunks (stalerl.core.chunked_logprob): a micro-batch's (tokens x vocab)
         # logits never exist. Used when the model's head verifiably gives the plain log-probs (a bias-free linear
         # head whose logits the model does not post-process, e.g. no soft-capping); else the plain logits path.
-        self.chunked_logprobs = reproduces_plain_logprobs(model)
+        # Never silent: the trainer logs the reason once, and every update records actor/chunked_logprobs (1/0).
+        self.chunked_logprobs, self.chunked_logprobs_reason = chunked_logprob_check(model)
         # seq-mean-token-sum-norm divides by a constant (verl's loss_scale_factor): the generation budget, never a
         # micro-batch's padded width, which would make the update depend on the split.
         self.loss_scale_factor = loss_scale_factor
@@ -169,6 +170,7 @@ class Actor:
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
         self.logp_seconds = 0.0  # wall time in compute_logp (no-grad passes), for the trainer's step-time split
+        self.optimizer_seconds = 0.0  # wall time of gradient clipping + optimizer step (the split's optimizer part)
 
     # ---------------------------------------------------------------- log-probs
     def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
@@ -379,22 +381,34 @@ class Actor:
             loss_sum = float(loss_t[0]) / self.dp.size
         # gradient_clipping=0 means no clipping (clip_grad_norm_(max_norm=0) would zero every gradient); the norm is
         # still measured (max_norm=inf scales by 1) for the log.
+        t_opt = time.perf_counter()
         clip = float(self.cfg.optimizer.gradient_clipping)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         lr_used = float(self.optimizer.param_groups[0]["lr"])  # this step's rate; scheduler.step() sets the next
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = fsdp.to_float(grad_norm)  # waits for the device, so the time below is the step's
+        self.optimizer_seconds += time.perf_counter() - t_opt
         out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
         out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
         out["actor/loss"] = loss_sum
-        out["actor/grad_norm"] = fsdp.to_float(grad_norm)
+        out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = lr_used
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
         out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
         out["actor/num_micro_batches"] = float(len(micro))
+        out["actor/chunked_logprobs"] = float(self.chunked_logprobs)  # 0: the plain logits path (logged at start)
         return out
+
+    def skip_update(self) -> dict[str, float]:
+        """A step whose every prompt group was left out (actor.skip_zero_advantage_groups): no forward, backward or
+        optimizer step; the learning-rate schedule advances as ppo_n_minibatches updates would have moved it."""
+        lr_used = float(self.optimizer.param_groups[0]["lr"])
+        for _ in range(int(self.cfg.ppo_n_minibatches)):
+            self.lr_scheduler.step()
+        return {"actor/loss": 0.0, "actor/grad_norm": 0.0, "actor/lr": lr_used, "actor/num_micro_batches": 0.0}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -56,3 +56,16 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, response_mas
         adv = _norm(adv, group_ids, adv_norm.mean_level, adv_norm.std_level, adv_norm.eps)
     return torch.where(response_mask, adv.unsqueeze(1).expand_as(response_mask.float()),
                        torch.zeros(response_mask.shape, dtype=torch.float32))
+
+
+def zero_advantage_rows(advantages: torch.Tensor, response_mask: torch.Tensor,
+                        group_ids: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: rows of prompt groups whose advantage is exactly 0 on every valid token of every row (every sample
+    of the prompt got the same reward). Such a group adds nothing to any registered loss's gradient (A = 0 puts a
+    token in neither of the trust region's quadrants, and r * A = 0), only tokens to its denominator
+    (actor.skip_zero_advantage_groups)."""
+    row_zero = torch.where(response_mask.bool(), advantages == 0, torch.ones_like(response_mask.bool())).all(dim=1)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    has_signal = torch.zeros(n_groups, dtype=torch.bool).index_put_((inv,), ~row_zero, accumulate=True)
+    return ~has_signal[inv]

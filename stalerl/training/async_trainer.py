@@ -587,8 +587,10 @@ class AsyncTrainer(Trainer):
         advantages = self.advantages(batch)
         mismatch = self._probe_fresh(batch)
         t1 = time.perf_counter()
-        metrics = self._update(batch, advantages)
+        opt0 = self.actor.optimizer_seconds
+        metrics = self.update_actor(batch, advantages)
         t_train = time.perf_counter() - t1
+        metrics["timing/split/optimizer_s"] = self.actor.optimizer_seconds - opt0  # rank 0's
         with self.cond:
             self.step += 1
             self.manager.advance()
@@ -632,6 +634,9 @@ class AsyncTrainer(Trainer):
         out = self.probe_mismatch(actor, batch.select(rows))
         out["timing/mismatch_probe_s"] = self._probe_seconds
         return out
+
+    def _can_skip_whole_step(self) -> bool:
+        return self.n_train == 1  # with several train ranks every rank joins each optimizer step
 
     def _update(self, batch, advantages) -> dict[str, float]:
         if self.n_train == 1:

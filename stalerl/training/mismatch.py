@@ -9,6 +9,8 @@ by exactly the weights the trainer holds), where the only reason for a nonzero l
     d = trainer log-prob - engine log-prob, per valid response token
     mismatch/abs_mean = mean |d|      mismatch/m2 = mean d^2 (M2PO's M2 of the mismatch alone)
     mismatch/max_abs = max |d|        mismatch/tokens = how many tokens were compared
+    mismatch/abs_p99 = the 99th percentile of |d|    mismatch/frac_gt_0.1 = the share of tokens with |d| > 0.1
+    mismatch/mean = mean d (signed: > 0 when the trainer gives the sampled tokens more probability)
 
 The trainer's pass is a no-grad forward (``Actor.compute_logp``: eval mode, dropout off, no RNG draw), so logging
 it changes nothing that is trained (tests/unit/test_mismatch.py compares a run's metrics with and without it).
@@ -26,8 +28,20 @@ def engine_mismatch(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask:
     if n == 0:
         return {}
     d = (trainer_logp.double() - engine_logp.double())[mask]
-    return {"mismatch/abs_mean": float(d.abs().mean()), "mismatch/m2": float((d * d).mean()),
-            "mismatch/max_abs": float(d.abs().max()), "mismatch/tokens": float(n)}
+    a = d.abs()
+    return {"mismatch/abs_mean": float(a.mean()), "mismatch/m2": float((d * d).mean()),
+            "mismatch/max_abs": float(a.max()), "mismatch/tokens": float(n), "mismatch/mean": float(d.mean()),
+            "mismatch/abs_p99": _quantile(a, 0.99),
+            "mismatch/frac_gt_0.1": float((a > 0.1).double().mean())}
+
+
+def _quantile(values: torch.Tensor, q: float) -> float:
+    """numpy's default ('linear') quantile of a 1-D tensor, by sorting (torch.quantile refuses > 2^24 values)."""
+    s = values.sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
 
 
 def fresh_rows(versions: torch.Tensor, mask: torch.Tensor, version: int) -> list[int]:

@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from stalerl.core.chunked_logprob import chunked_token_logprobs, head_returns_token_logprobs, reproduces_plain_logprobs
+from stalerl.core.chunked_logprob import (chunked_logprob_check, chunked_token_logprobs, head_returns_token_logprobs,
+                                         reproduces_plain_logprobs)
 
 U_BF16 = 2.0 ** -8  # bf16 unit roundoff is 2^-9 (8 significand bits); 2^-8 bounds two roundings
 
@@ -182,6 +183,27 @@ def test_models_that_post_process_logits_keep_the_plain_path():
         with head_returns_token_logprobs(model, torch.zeros(1, 1, dtype=torch.long), slice(0, 1)):
             raise RuntimeError
     assert "forward" not in vars(model.lm_head)
+    # the reason is said (the actor logs it once and records actor/chunked_logprobs=0)
+    assert chunked_logprob_check(model) == (True, "")
+    ok, why = chunked_logprob_check(SoftCapped(model))
+    assert not ok and "post-processes the head's output" in why
+    ok, why = chunked_logprob_check(biased)
+    assert not ok and "bias-free linear output head" in why
+
+
+def test_the_plain_path_fallback_is_logged_once_and_recorded_in_every_update(tmp_path, monkeypatch):
+    import stalerl.training.actor as actor_mod
+    from conftest import small_overrides
+    from stalerl.config import load_config
+    from stalerl.training.trainer import Trainer
+
+    monkeypatch.setattr(actor_mod, "chunked_logprob_check", lambda model: (False, "a test's reason"))
+    lines: list[str] = []
+    cfg = load_config(small_overrides(tmp_path, total_train_steps=2, **{"saver.save_final": False}))
+    trainer = Trainer(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    said = [line for line in lines if "plain logits path" in line]
+    assert len(said) == 1 and "a test's reason" in said[0]
+    assert trainer.train_step()["actor/chunked_logprobs"] == 0.0
 
 
 # ------------------------------------------------------------------------------------ chunk size by device, no sync

@@ -348,3 +348,21 @@ def test_prompt_dataset_errors():
         ds.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="does not fit"):
         ds.load_state_dict({"epoch": 0, "index": 99, "seed": 0})
+
+
+@pytest.mark.parametrize("task", ["add", "addcot", "chain", "word"])
+def test_question_style_rewords_the_same_problems(task):
+    eq_train, eq_test = synthetic_splits(task, max_operand=20, train_size=50, test_size=20, seed=3)
+    wi_train, wi_test = synthetic_splits(task, max_operand=20, train_size=50, test_size=20, seed=3,
+                                         question_style="what_is")
+    for a, b in zip(eq_train + eq_test, wi_train + wi_test):
+        assert (a.answer, a.final) == (b.answer, b.final)
+        if task == "word":
+            assert a.question == b.question
+        else:
+            assert b.question == f"What is {a.question[:-2]}?"
+    loaded = load_examples("synthetic", "test", synthetic_task=task, max_operand=20, test_size=20, seed=3,
+                           question_style="what_is")
+    assert [e.question for e in loaded] == [e.question for e in wi_test]
+    with pytest.raises(ValueError, match="unknown question style 'words'"):
+        synthetic_splits(task, max_operand=20, train_size=5, test_size=2, question_style="words")

@@ -280,3 +280,24 @@ def test_prompt_formatter_plain_and_errors():
     with pytest.raises(ValueError, match="prompt format must be one of"):
         PromptFormatter(plain_tok, kind="fancy")
     assert PromptFormatter(plain_tok, kind="char").format("x") == "Q: x A:"
+
+
+def test_prompt_instruction_replaces_the_formats_default_and_comes_from_the_config(tmp_path):
+    from stalerl.config import load_config
+
+    chat_tok = build_char_tokenizer()
+    chat_tok.init_kwargs.pop("stalerl_char_tokenizer")
+    chat_tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    fmt = PromptFormatter(chat_tok, kind="chat", instruction=" Answer with just the number.")
+    assert fmt.format("What is 2+3?") == "<|user|>What is 2+3? Answer with just the number.\n<|assistant|>"
+    assert PromptFormatter(chat_tok, kind="chat", instruction="").format("x") == "<|user|>x\n<|assistant|>"
+    assert PromptFormatter(chat_tok, kind="plain", instruction=" Be brief.").format("x") == "Question: x Be brief.\nAnswer:"
+    assert PromptFormatter(build_char_tokenizer(), kind="auto").format("1+1=?") == "Q: 1+1=? A:"  # char: no default
+    cfg = load_config(["prompt.format=plain", "prompt.instruction= Just the number."])
+    assert PromptFormatter.from_config(chat_tok, cfg).format("x") == "Question: x Just the number.\nAnswer:"
+    cfg = load_config(["prompt.format=chat"])  # the default instruction: ask for \boxed{}
+    assert PromptFormatter.from_config(chat_tok, cfg).format("x") == (
+        "<|user|>x\nPlease put your final answer within \\boxed{}.\n<|assistant|>")

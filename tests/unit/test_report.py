@@ -97,6 +97,17 @@ def test_summary_fields_from_metrics(tmp_path):
     assert _summary(tmp_path, "m2po", 2, 4, 0.8)["config_digest"] != s["config_digest"]
 
 
+@pytest.fixture
+def same_code(monkeypatch):
+    """One fixed code state for summaries and the study runner alike: a study reuses only runs of the same commit
+    and uncommitted changes, and the real checkout may change under a test (others editing it)."""
+    from stalerl.results import run_summary
+
+    state = {"commit": "c0de" * 10, "dirty": False, "dirty_digest": None}
+    monkeypatch.setattr(run_summary, "code_state", lambda root=None: dict(state))
+    return state
+
+
 def test_downsample_is_bounded_and_keeps_the_last_step():
     pts = [(i, float(i)) for i in range(1, 301)]
     d = downsample(pts, 60)
@@ -323,9 +334,10 @@ def test_study_runner_on_a_tiny_grid(tmp_path):
     assert "| fixed_staleness 2 | m2po | 2/2 |" in doc and "| vanilla |" not in doc
 
 
-def test_a_study_in_a_fresh_checkout_skips_runs_whose_collected_summary_has_their_config(tmp_path, monkeypatch):
+def test_a_study_in_a_fresh_checkout_skips_runs_whose_collected_summary_has_their_config(tmp_path, monkeypatch,
+                                                                                          same_code):
     """Run directories are machine-local; the collected summaries are committed. A study resumed where its run
-    directories are gone re-runs only what no collected summary of the very same config holds (finished or
+    directories are gone re-runs only what no collected summary of the very same config and code holds (finished or
     diverged), keeps the others as they were, and --force re-runs everything."""
     from stalerl.launch import study
     from stalerl.launch.study import collected_summary, expand, load_spec, run_study
@@ -388,7 +400,7 @@ def test_sigterm_passes_to_the_runs_in_flight_and_starts_no_other(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tmp_path, monkeypatch):
+def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tmp_path, monkeypatch, same_code):
     """A signal during the grid: the finished runs' summaries are collected (with the wall time so far), the
     stopped and unstarted ones are not, the doc stays as it was, the exit is 128 + signal; the same command then
     runs only the rest and the table's wall time includes the first part."""
@@ -440,7 +452,8 @@ def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tm
     assert json.loads((results / "study.json").read_text())["wall_s"] >= first_wall
 
 
-def test_a_resumed_study_refuses_other_kernels_and_warm_starts_only_seeds_with_runs_left(tmp_path, monkeypatch):
+def test_a_resumed_study_refuses_other_kernels_and_warm_starts_only_seeds_with_runs_left(tmp_path, monkeypatch,
+                                                                                          same_code):
     """Collected runs that used AVX512 kernels (the same config trains differently there) cannot be joined by runs
     on AVX2 kernels: refused in one line naming ATEN_CPU_CAPABILITY, before any warm start. With matching kernels
     only the seeds that still have a run get a warm start."""
@@ -510,7 +523,8 @@ def test_a_cut_invocation_keeps_the_summaries_of_the_spec_runs_it_did_not_run(tm
     assert [p.name for p in results.glob("superseded/*/*.json")] == ["gone-seed1.json"]
 
 
-def test_a_cut_invocation_records_the_whole_grid_and_adds_its_time_to_the_earlier_parts(tmp_path, monkeypatch):
+def test_a_cut_invocation_records_the_whole_grid_and_adds_its_time_to_the_earlier_parts(tmp_path, monkeypatch,
+                                                                                         same_code):
     """A grid run in parts (--settings / --seeds cuts, e.g. across sessions): study.json (read by the report) still
     describes the registered grid (seeds, settings, methods, on-policy row), its wall time is the sum of the parts,
     each part is listed with the command typed, and the block's Reproduce command is the whole table's (no cut)."""

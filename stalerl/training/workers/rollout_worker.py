@@ -59,11 +59,12 @@ class RolloutWorker:
 
             # Started from this process's initial weights (the architecture); the controller's weights arrive
             # through load_weights before any task, so nothing is generated with these.
-            self.engine = build_vllm_engine(cfg, model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
+            fmt = PromptFormatter.from_config(tokenizer, cfg).format
+            self.engine = build_vllm_engine(cfg, model, tokenizer, fmt, gsm8k_reward,
                                             work_dir=run_dir(cfg) / "vllm" / f"rollout-{index}", track_source=False)
         else:
-            self.engine = HFRolloutEngine(model, tokenizer, PromptFormatter(tokenizer).format, gsm8k_reward,
-                                          version=-1, compute_dtype=cfg.actor.dtype)
+            fmt = PromptFormatter.from_config(tokenizer, cfg).format
+            self.engine = HFRolloutEngine(model, tokenizer, fmt, gsm8k_reward, version=-1, compute_dtype=cfg.actor.dtype)
         # behavior_logp=recompute: a training-engine forward at the generating weights, done here where those
         # weights live (the trainer has moved on by the time it consumes the batch).
         self.recompute = None
