@@ -11,7 +11,9 @@ from stalerl.config.errors import ConfigError
 # Backend strings: "<engine>:d<X>[t<T>][p<P>]"
 # --------------------------------------------------------------------------------------------------------------------
 
-ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
+# "auto": vllm when vLLM is importable at a supported version, else hf; resolved once when the run starts
+# (stalerl.config.rules.resolve_rollout_backend), so everything after start-up sees hf or vllm.
+ROLLOUT_ENGINES = ("hf", "vllm", "sglang", "auto")
 TRAIN_ENGINES = ("torch", "fsdp")
 _GPU_ROLLOUT_ENGINES = ("vllm", "sglang")
 

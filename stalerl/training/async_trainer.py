@@ -497,7 +497,8 @@ class AsyncTrainer(Trainer):
         """Non-blocking: the evaluation of the current weights (version = self.step) is queued to a rollout worker
         right behind those weights and runs there (HF or vLLM engine, the same evaluate_engine and eval_gconfig as
         the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. This step's
-        row is held back (EvalMergingLogger) and written with eval/accuracy once the result arrives; the end of
+        row is held back (EvalMergingLogger) and written with eval/accuracy (or eval/accuracy_subset:
+        Trainer.eval_metrics) once the result arrives; the end of
         training waits for all of them. Returns {} (nothing to add to the row now)."""
         with self.cond:
             if self.step not in self.eval_requested:
@@ -520,7 +521,8 @@ class AsyncTrainer(Trainer):
             g = self.cfg.eval_gconfig
             settings = {k: getattr(g, k) for k in ("n_samples", "max_new_tokens", "temperature", "top_p", "top_k",
                                                    "greedy")}
-            w.call("evaluate", version, [(e.question, e.final) for e in self.valid_examples], settings,
+            # all of them, or evaluator.n_prompts_during_training's subset between the first and the last step
+            w.call("evaluate", version, [(e.question, e.final) for e in self.eval_examples(version)], settings,
                    self.cfg.valid_dataset.batch_size)
             self.eval_sent[version] = (w.role, time.perf_counter())
 
@@ -550,10 +552,11 @@ class AsyncTrainer(Trainer):
                 done[v] = (role, sent, self.eval_done.pop(v))
             pending = set(self.eval_requested)
         for version, (role, sent, res) in sorted(done.items()):
-            logger.merge(version, {"eval/accuracy": res["accuracy"], "eval/seconds": res["seconds"],
+            logger.merge(version, {**self.eval_metrics(res["accuracy"], version), "eval/seconds": res["seconds"],
                                    "eval/latency_s": time.perf_counter() - sent})
+            which = "" if self.eval_is_full(version) else f" on a subset of {len(self.eval_subset)} prompts"
             self.log(f"eval (step {version}, on {role}, {res['seconds']:.1f}s while training went on to step "
-                     f"{self.step}): accuracy {res['accuracy']:.4g}")
+                     f"{self.step}): accuracy {res['accuracy']:.4g}{which}")
         logger.write_ready(pending)
 
     def _collect_train_replies(self, what: str) -> list:

@@ -20,6 +20,7 @@ from stalerl.training.actor import Actor
 from stalerl.training.advantage import grpo_advantages, shaped_rewards, zero_advantage_rows
 from stalerl.training.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
+from stalerl.config.rules import resolve_rollout_backend
 from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
@@ -59,8 +60,21 @@ def nonfinite(metrics: dict[str, Any], keys=DIVERGENCE_KEYS) -> list[str]:
         if isinstance(v, float) and not np.isfinite(v):
             out.append(f"{k}={v}")
     return out
-SUMMARY_KEYS = ("reward", "eval/accuracy", "actor/loss", "actor/grad_norm", "staleness/avg",
+SUMMARY_KEYS = ("reward", "eval/accuracy", "eval/accuracy_subset", "actor/loss", "actor/grad_norm", "staleness/avg",
                 "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
+
+
+EVAL_SUBSET_SEED = 0  # the same subset in every run (any seed, any loss) on the same evaluation data
+
+
+def eval_subset(examples: list, n: Optional[int]) -> Optional[list]:
+    """evaluator.n_prompts_during_training: a fixed subset of ``n`` of ``examples`` (seeded by EVAL_SUBSET_SEED, not
+    the run's seed, so runs compare on the same problems; in their original order), or None when ``n`` is null or
+    covers them all. Drawn with its own generator: no global random state moves."""
+    if n is None or n >= len(examples):
+        return None
+    keep = sorted(random.Random(EVAL_SUBSET_SEED).sample(range(len(examples)), n))
+    return [examples[i] for i in keep]
 
 
 def seed_everything(seed: int) -> None:
@@ -98,12 +112,16 @@ def peak_memory_metrics(device: torch.device) -> dict[str, float]:
 
 class Trainer:
     saved_with_held_rows = False  # the last checkpoint held metric rows back (only the asynchronous trainer holds any)
+    eval_subset: Optional[list] = None  # evaluator.n_prompts_during_training's subset (None: all evaluations full)
 
     def __init__(self, cfg: ExperimentConfig, *, log=print):
         self.launch_time = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
         self.excluded_s = 0.0  # warm start and evaluation: work, not start-up overhead
         self.cfg = cfg
         self.log = log
+        # rollout.backend=auto:dX becomes hf:dX or vllm:dX here, with one line saying which and why, before the
+        # config is saved: config.yaml, checkpoints, the summary and the workers all record the engine that ran.
+        resolve_rollout_backend(cfg, log=self.log)
         self.engine_name = engine = cfg.rollout.backend.split(":", 1)[0]
         if engine not in ("hf", "vllm"):
             raise NotAvailableError(
@@ -133,6 +151,7 @@ class Trainer:
         self.train_examples = self._filter_by_prompt_tokens(self.train_examples, cfg.train_dataset, "train_dataset")
         self.valid_examples = self._filter_by_prompt_tokens(self.valid_examples, cfg.valid_dataset,
                                                             "valid_dataset")[:cfg.evaluator.n_prompts]
+        self.eval_subset = eval_subset(self.valid_examples, cfg.evaluator.n_prompts_during_training)
         check_data_fits(cfg, self.train_examples, self.valid_examples, stage="after dropping prompts longer than "
                         "train_dataset.max_length / valid_dataset.max_length tokens", evaluation_size=False)
         self.dataset = PromptDataset(self.train_examples, batch_size=cfg.train_dataset.batch_size,
@@ -173,12 +192,13 @@ class Trainer:
         return False
 
     def _engine_kwargs(self, first_task_id: int, n_prompts: int, n_samples: int) -> dict:
-        """Per-prompt seeds for vLLM (the HF engine is seeded through the global RNG by the caller)."""
+        """vLLM: per-prompt seeds when rollout.vllm.seeded_requests asks for them, else nothing (vLLM's batched
+        sampler). The HF engine is seeded through the global RNG by the caller."""
         if not hasattr(self.engine, "source_model"):
             return {}
-        from stalerl.rollout.vllm_engine import sample_seeds
+        from stalerl.rollout.vllm_engine import generate_kwargs
 
-        return {"seeds": sample_seeds(self.cfg.seed, range(first_task_id, first_task_id + n_prompts), n_samples)}
+        return generate_kwargs(self.cfg, range(first_task_id, first_task_id + n_prompts), n_samples)
 
     @staticmethod
     def _load_split(ds, key: str = "train_dataset") -> list:
@@ -257,9 +277,27 @@ class Trainer:
         asynchronous trainer overrides it: there a rollout worker evaluates while training goes on."""
         if hasattr(self.engine, "source_model"):  # vLLM keeps its own weights: bring them to this step's
             self.engine.set_version(self.step)
-        out = evaluate_engine(self.engine, self.valid_examples, self.cfg.eval_gconfig,
-                              self.cfg.valid_dataset.batch_size)
-        return {"eval/accuracy": out["accuracy"]}
+        examples = self.eval_examples(self.step)
+        out = evaluate_engine(self.engine, examples, self.cfg.eval_gconfig, self.cfg.valid_dataset.batch_size)
+        return self.eval_metrics(out["accuracy"], self.step)
+
+    def eval_is_full(self, version: int) -> bool:
+        """Whether the evaluation of weights ``version`` uses every evaluation prompt: always without
+        evaluator.n_prompts_during_training; with it, at step 0 (evaluator.at_start) and at the last step only."""
+        return self.eval_subset is None or version <= 0 or version >= self.total_steps
+
+    def eval_examples(self, version: int) -> list:
+        return self.valid_examples if self.eval_is_full(version) else self.eval_subset
+
+    def eval_metrics(self, accuracy: float, version: int) -> dict[str, float]:
+        """The metric names of an evaluation: eval/accuracy for a full one (the only name the run summary and the
+        study report read), eval/accuracy_subset for a subset one; eval/n_prompts beside either when a subset is
+        configured (without one the row is exactly what it always was)."""
+        if self.eval_subset is None:
+            return {"eval/accuracy": accuracy}
+        full = self.eval_is_full(version)
+        return {"eval/accuracy" if full else "eval/accuracy_subset": accuracy,
+                "eval/n_prompts": float(len(self.eval_examples(version)))}
 
     def wrap_logger(self, logger: MetricsLogger) -> MetricsLogger:
         """The metrics logger the loop writes through (the asynchronous trainer holds rows back until their

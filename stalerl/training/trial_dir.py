@@ -140,7 +140,13 @@ def check_trial_dir(cfg: Any, run_dir: Path, log=print) -> None:
         except Exception:  # noqa: BLE001 - no record at all: nothing to compare
             saved_cfg = None
     if saved_cfg is not None:
-        diff = differing_keys(saved_cfg, config_dict(cfg))
+        current = config_dict(cfg)
+        if isinstance(current.get("rollout"), dict) and "backend" in current["rollout"]:
+            # rollout.backend=auto:dX compares as the engine this machine would run (the run resolves it at start)
+            from stalerl.config.rules import resolved_rollout_backend
+
+            current["rollout"]["backend"] = resolved_rollout_backend(current["rollout"]["backend"])[0]
+        diff = differing_keys(saved_cfg, current)
         if diff:
             shown = ", ".join(f"{k} (checkpoint {_v(a)}, this run {_v(b)})" for k, a, b in diff[:8])
             more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""

@@ -134,10 +134,10 @@ class RolloutWorker:
         g = self.cfg.gconfig
         torch.manual_seed(generation_seed(self.cfg.seed, tasks[0][0]))
         seeds = {}
-        if self.is_vllm:  # per task, so a task samples the same tokens whatever batch it lands in
-            from stalerl.rollout.vllm_engine import sample_seeds
+        if self.is_vllm:  # rollout.vllm.seeded_requests: per task, so it samples the same tokens in any batch
+            from stalerl.rollout.vllm_engine import generate_kwargs
 
-            seeds["seeds"] = sample_seeds(self.cfg.seed, [t for t, _, _ in tasks], g.n_samples)
+            seeds = generate_kwargs(self.cfg, [t for t, _, _ in tasks], g.n_samples)
         batch = self.engine.generate([q for _, q, _ in tasks], [a for _, _, a in tasks], n_samples=g.n_samples,
                                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                      top_k=g.top_k, **seeds)
