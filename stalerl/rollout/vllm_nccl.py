@@ -58,7 +58,8 @@ def update_info_for(params: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
 
     Exactly the fields of vLLM 0.32's NCCLWeightTransferUpdateInfo (vllm/distributed/weight_transfer/
     nccl_engine.py:93-95): its parse_update_info (base.py:441) refuses any other key, so ``packed`` is not here (it
-    moved to the init info, :func:`worker_init_info`)."""
+    moved to the init info, :func:`worker_init_info`). 0.33 and 0.34 accept the same dict (their new fields have
+    defaults; tests/unit/test_vllm_api_sources.py)."""
     return {"names": [name for name, _ in params],
             "dtype_names": [str(t.dtype).replace("torch.", "") for _, t in params],
             "shapes": [list(t.shape) for _, t in params]}

@@ -12,6 +12,7 @@ Runs in the vLLM virtual environment (skipped elsewhere, unless STALERL_REQUIRE_
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -66,6 +67,9 @@ class _ModelRunner:
     def reset_lora_state(self):
         pass
 
+    def get_model(self):  # 0.34's start_weight_update lends the KV cache for the model (none here: a no-op)
+        return None
+
 
 def _worker_with(engine_cls):
     """vLLM's GPU worker (its real weight-transfer methods) around a real ``engine_cls`` whose transport is recorded."""
@@ -81,6 +85,10 @@ def _worker_with(engine_cls):
     worker.model_runner = _ModelRunner()
     worker._weight_update_active = False
     worker._weight_update_is_draft = False
+    # 0.34's worker also tracks unfinished updates and a KV-cache loan per update (gpu_worker.py:251-258)
+    worker._incomplete_weight_updates = set()
+    worker._weight_update_kv_cache_loan = contextlib.ExitStack()
+    worker._kv_cache_reclaimable = False
     engine.reset_weight_update_target = lambda: None
     return worker, recorder
 
@@ -198,7 +206,10 @@ def test_ipc_trainer_engine_client_and_source_match_vllms_protocols():
     _bind(IPCTrainerWeightTransferEngine.send_weights, object())  # VLLMRolloutEngine._install: no arguments
     model = _tiny_tied_model()
     source = ModuleSource(model)
-    assert [m.name for m in source.metadata()] == [n for n, _ in source] == [n for n, _ in model.named_parameters()]
+    # 0.32: metadata() and iter(source); 0.33 on: the metadata cached_property and iter_full()
+    meta = source.metadata() if callable(source.metadata) else source.metadata
+    pairs = source.iter_full() if hasattr(source, "iter_full") else iter(source)
+    assert [m.name for m in meta] == [n for n, _ in pairs] == [n for n, _ in model.named_parameters()]
 
 
 def test_ipc_init_and_update_info_pass_vllms_own_parsing_through_our_client_llm_and_worker(monkeypatch):

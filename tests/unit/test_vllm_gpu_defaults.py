@@ -88,17 +88,17 @@ def test_vllm_runs_on_cpu_with_cpu_safe_defaults():
     assert v.gpu_memory_utilization is None and CPU_GPU_MEMORY_UTILIZATION == 0.1
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1.dev3+g0abc"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1.dev3+g0abc", "0.33.0", "0.34.0"])
 def test_supported_vllm_versions_pass(version):
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.11.0", "0.31.0", "0.33.0", "1.0.0", "weird"])
+@pytest.mark.parametrize("version", ["0.11.0", "0.31.0", "0.35.0", "0.35.0rc1", "1.0.0", "weird"])
 def test_other_vllm_versions_are_refused_in_one_line_naming_the_range(version):
     with pytest.raises(VLLMVersionError) as e:
         check_vllm_version(version)
     msg = str(e.value)
-    assert "\n" not in msg and f"vllm {version} is installed" in msg and "0.32.x (>=0.32,<0.33)" in msg
+    assert "\n" not in msg and f"vllm {version} is installed" in msg and "0.32.x-0.34.x (>=0.32,<0.35)" in msg
     assert "Fix:" in msg
 
 
@@ -108,10 +108,10 @@ def test_untested_vllm_runs_with_a_warning_when_the_override_names_it(monkeypatc
     monkeypatch.setattr(versions, "_warned", set())
     monkeypatch.setenv(versions.ALLOW_ENV, "vllm")
     with pytest.warns(RuntimeWarning, match="outside the tested range"):
-        check_vllm_version("0.33.0")
+        check_vllm_version("0.35.0")
     monkeypatch.setenv(versions.ALLOW_ENV, "trl")  # another framework's override does not let vLLM through
     with pytest.raises(VLLMVersionError, match=f"{versions.ALLOW_ENV}=vllm"):
-        check_vllm_version("0.33.0")
+        check_vllm_version("0.35.0")
 
 
 def test_sync_vllm_shares_the_trainers_gpu_async_needs_its_own():
