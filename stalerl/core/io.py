@@ -33,6 +33,22 @@ __all__ = [
 PathLike = str | os.PathLike
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (owned by anyone): the owner of a leftover temporary
+    file or directory whose name carries its pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError as exc:  # pragma: no cover - exotic platforms
+        import errno
+
+        return exc.errno != errno.ESRCH
+    return True
+
+
 def _current_umask() -> int:
     # os.umask can only be read by setting it; do it once at import, before any threads of ours exist.
     mask = os.umask(0o022)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from stalerl.core.errors import NO_SPACE_ERRNOS, READ_ONLY_ERRNOS, ResourceError, UserError
+from stalerl.core.io import pid_alive
 
 __all__ = ["KNOWN_MODELS", "MARKER", "ModelSpec", "cache_root", "fetch_model", "is_known_model", "known_model",
            "model_dir", "resolve_model_path", "cached_model_dir"]
@@ -326,16 +327,6 @@ def _resource_error(exc: BaseException, root: Path, spec: ModelSpec) -> Optional
     return err
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_dead_temp_dirs(root: Path, stem: str) -> None:
     """Temporary directories left by a fetch that was killed (its pid is in the name and no longer runs)."""
     for p in root.glob(f".{stem}{_TMP_TAG}*"):
@@ -343,7 +334,7 @@ def _remove_dead_temp_dirs(root: Path, stem: str) -> None:
             pid = int(p.name[len(f".{stem}{_TMP_TAG}"):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -23,7 +23,6 @@ never modifies anything, so every rank may call it concurrently.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 
 from stalerl.core.errors import UserError, resource_error
-from stalerl.core.io import PathLike, atomic_write_text, fsync_dir
+from stalerl.core.io import PathLike, atomic_write_text, fsync_dir, pid_alive
 
 __all__ = [
     "CheckpointError",
@@ -220,15 +219,7 @@ def _sha256_file(path: Path) -> tuple[str, int]:
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # our own leftovers are, by construction, from attempts that already ended
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    except OSError as exc:  # pragma: no cover - exotic platforms
-        return exc.errno != errno.ESRCH
-    return True
+    return pid_alive(pid)
 
 
 def _remove_leftovers(root: Path) -> None:
