@@ -1,104 +1,406 @@
 #!/usr/bin/env bash
-# The GPU check for a short slot: one command, under 8 minutes on one H200-class GPU, on a bare CUDA image (Python
-# 3.12, torch, transformers; no vLLM, Ray or omegaconf; nothing downloadable; the repository plus .whl/ carried).
-#   1. environment: versions and the GPU; omegaconf + antlr4 installed from .whl/ (scripts/prepare_gpu_wheels.sh)
-#      into a private folder when the image lacks them;
-#   2. real scale: examples/math/gsm8k_m2po.yaml at its shipped batch and lengths (64 prompts x 4 samples, 512 new
-#      tokens, prompts up to 1024 tokens, bf16 compute on fp32 master weights, AdamW, gradient checkpointing,
-#      16k-token micro-batches, M2PO) on a from-scratch model with Qwen2.5-1.5B's architecture and vocabulary (random
-#      weights built there, scripts/smoke_assets.py) for STALERL_CHECK_STEPS steps; reports peak GPU memory, each
-#      step's time split into generation / log-probs / training, and generated tokens per second;
-#   3. measurements (scripts/gpu_check_bench.py, merged into the report): chunked vs plain training log-probs at
-#      the 1.5B head shape; vLLM's generation tokens/s with and without CUDA graphs and its weight-sync path and
-#      time per sync (colocated ipc; nccl to a second GPU); each vLLM part says why when skipped (no vLLM);
-#   4. the smaller smoke runs: scripts/gpu_smoke.sh (85M model; d2 runs only with 3 GPUs).
-# Overrides of the shipped config in step 2, and why:
-#   rollout.fixed_staleness=1       shipped 8: filling the FIFO would generate 9 batches before the first step
-#                                   (minutes); 1 keeps the FIFO path and gives step 2 a batch one version stale
-#   actor.adv_norm=null actor.reward_bias=-0.5   a random model never answers right, so group-normalised
-#                                   advantages would all be 0 and nothing would be trained (as in gpu_smoke.sh)
-#   evaluator.freq_steps=null recover.mode=disabled saver.save_final=false   evaluation and checkpoints are covered
-#                                   by step 3; here they would write ~25 GB (fp32 weights + AdamW) and cost minutes
+# The GPU check for a short slot: one command with a total time budget (default 420 s) split over its parts, so it
+# always ends inside the budget and says what it skipped or cut and why. Made for a bare CUDA image (Python 3.12,
+# torch, transformers; no vLLM, Ray, omegaconf, gguf or accelerate; nothing downloadable): what it needs beyond the
+# image comes from .whl/ (scripts/prepare_gpu_wheels.sh, carried with the repository) and ../shared/models (the
+# SmolLM2-135M-Instruct GGUF). Parts, in order of what they are worth (docs/gpu.md, "The GPU check"):
+#   environment  versions and the GPU; the wheels of .whl/ whose modules the image lacks, into a private folder;
+#                the real model's conversion (stalerl-model fetch, GGUF -> HF dir in a temp dir) starts in the
+#                background and overlaps the numerics;
+#   numerics     scripts/gpu_check_numerics.py: m2po / fipo / vanilla losses and gradients on a fixed batch vs a
+#                CPU float64 reference, chunked vs plain log-probs (and vs float64), one optimizer step fsdp:d1 vs
+#                torch:d1; every comparison with its tolerance per dtype and pass/fail;
+#   real_model   SmolLM2-135M-Instruct trained a few steps at a real batch (smollm2_add_m2po_cpu.yaml's task, 64
+#                prompts x 8 samples, on the device) with the HF engine in bf16 and in fp32 (and vLLM when
+#                importable): generation / training tokens/s, peak memory, the per-token engine-vs-trainer log-prob
+#                mismatch (mismatch/*), the step split;
+#   real_scale   examples/math/gsm8k_m2po.yaml at its shipped batch and lengths (64 x 4 x 512 tokens, bf16, 16k-token
+#                micro-batches, gradient checkpointing) on a from-scratch model of Qwen2.5-1.5B's shape, staleness 0;
+#   bench        scripts/gpu_check_bench.py: chunked vs plain log-prob time and memory at the 1.5B head shape; vLLM
+#                tokens/s with and without CUDA graphs and weight-sync time (each says why when skipped);
+#   smoke        scripts/gpu_smoke.sh (85M model, checkpoints, resume, d2 runs with 3 GPUs); optional: it runs only
+#                with 200 s left on CUDA (e.g. --budget 600), otherwise it is listed as skipped for the budget.
+# Each part gets min(its cap, the time left less the minimum of the parts after it); a part whose slice is below its
+# minimum is skipped, a part that runs past its slice is cut (timeout) and reported as cut with what it finished.
+# Everything measured (gpu_check_report.json, every part's JSON and log, the runs' metrics) goes to $OUT when set,
+# else to a new temp dir named at the start and the end; models, assets and checkpoints go to a scratch dir that is
+# removed at the end (STALERL_CHECK_KEEP_WORK=1 keeps it).
 #
-#   bash scripts/gpu_check.sh                             # on the GPU machine (prepare .whl/ first, here)
-#   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh    # CPU dry mode: tiny sizes, same script and code paths
-# Env: STALERL_CHECK_STEPS (2), STALERL_SMOKE_STEPS (2 here),
-#      STALERL_CHECK_TIMEOUT_S (300 s for the real-scale run; 3600 in CPU dry mode),
-#      STALERL_CHECK_BENCH_TIMEOUT_S (300 s for the measurements; 900 in CPU dry mode), STALERL_CHECK_VLLM=0 (skip
-#      the vLLM measurements),
-#      STALERL_SMOKE_DIR (work dir; default a new temp dir), STALERL_CHECK_REPORT (also copy the JSON report there),
-#      STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1 (install the wheels even if omegaconf imports),
-#      PYTHON (python3).
+#   bash scripts/gpu_check.sh [--budget SECONDS] [--out DIR]     # on the GPU machine (prepare .whl/ here first)
+#   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh             # CPU dry mode: the same parts at tiny sizes
+# Exit code: 0 every part that ran passed, 1 a part failed, 3 nothing failed but a part was cut by its slice or a
+# required part was skipped for the budget (the report's verdict: PASS, FAIL, INCOMPLETE).
+# Env: STALERL_CHECK_BUDGET_S (420), OUT (the report dir), STALERL_SMOKE_DIR (scratch dir), STALERL_CHECK_STEPS (2,
+#      real_scale steps), STALERL_CHECK_MODEL_STEPS (4 on CUDA, 2 on CPU), STALERL_CHECK_VLLM=0 (no vLLM parts),
+#      STALERL_MODEL_GGUF_DIR (the GGUF's folder; default ../shared/models), STALERL_CACHE (reuse a converted model
+#      from $STALERL_CACHE/models), STALERL_REQUIRE_REAL_MODEL=1 (no GGUF is a failure, not a skip),
+#      STALERL_CHECK_REPORT (also copy the report there), STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1
+#      (install every wheel even where the image has the module), STALERL_CHECK_NO_PIP=1 (unpack instead of pip),
+#      STALERL_CHECK_KEEP_WORK=1, PYTHON (python3).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 DEVICE="${STALERL_SMOKE_DEVICE:-cuda}"
-STEPS="${STALERL_CHECK_STEPS:-2}"
-WORK="${STALERL_SMOKE_DIR:-$(mktemp -d -t stalerl-gpucheck-XXXXXX)}"
-WHEELS="${STALERL_CHECK_WHEELS:-$REPO/.whl}"
-# The limit keeps a GPU slot's budget for step 3; the CPU dry mode has no such budget (a loaded CI runner is slow).
-LIMIT="${STALERL_CHECK_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 3600 || echo 300)}"
-# The measurements' limit: without vLLM in the image they take well under a minute; with it, two engine starts
-BENCH_LIMIT="${STALERL_CHECK_BENCH_TIMEOUT_S:-$([ "$DEVICE" = cpu ] && echo 900 || echo 300)}"
-export STALERL_SMOKE_DIR="$WORK" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$WORK"
-cd "$REPO"
+BUDGET="${STALERL_CHECK_BUDGET_S:-420}"
+OUT_DIR="${OUT:-}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget) BUDGET="$2"; shift 2 ;;
+    --budget=*) BUDGET="${1#*=}"; shift ;;
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --out=*) OUT_DIR="${1#*=}"; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (--budget SECONDS, --out DIR)" >&2; exit 2 ;;
+  esac
+done
+case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: the budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
 START=$SECONDS
-fail() { echo "gpu_check: FAIL $*" >&2; exit 1; }
+OUT_NOTE=""
+if [ -z "$OUT_DIR" ]; then
+  OUT_DIR="$(mktemp -d -t stalerl-gpucheck-out-XXXXXX)"
+  OUT_NOTE=" (no \$OUT: a new temp dir)"
+fi
+rm -rf "$OUT_DIR/parts" "$OUT_DIR/logs" "$OUT_DIR/runs"  # this check's own subfolders: a reused --out starts clean
+mkdir -p "$OUT_DIR/parts" "$OUT_DIR/logs" "$OUT_DIR/runs"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+MADE_WORK=0
+if [ -n "${STALERL_SMOKE_DIR:-}" ]; then WORK="$STALERL_SMOKE_DIR"; else WORK="$(mktemp -d -t stalerl-gpucheck-XXXXXX)"; MADE_WORK=1; fi
+mkdir -p "$WORK"
+WHEELS="${STALERL_CHECK_WHEELS:-$REPO/.whl}"
+STEPS="${STALERL_CHECK_STEPS:-2}"
+MODEL_STEPS="${STALERL_CHECK_MODEL_STEPS:-$([ "$DEVICE" = cpu ] && echo 2 || echo 4)}"
+RESERVE=15  # kept for the report at the end
+PARTS="$OUT_DIR/parts.tsv"
+: > "$PARTS"
+# nothing is downloaded: offline hub lookups fail at once instead of waiting for a network the GPU machine lacks
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cd "$REPO"
+
+# Part slices: minimum and cap in seconds, per device; optional parts reserve nothing for themselves.
+if [ "$DEVICE" = cpu ]; then
+  declare -A PMIN=([numerics]=15 [real_model]=40 [real_scale]=20 [bench]=10 [smoke]=60)
+  declare -A PCAP=([numerics]=240 [real_model]=480 [real_scale]=300 [bench]=200 [smoke]=600)
+else
+  declare -A PMIN=([numerics]=20 [real_model]=45 [real_scale]=60 [bench]=15 [smoke]=200)
+  declare -A PCAP=([numerics]=90 [real_model]=150 [real_scale]=180 [bench]=60 [smoke]=300)
+fi
+ORDER=(numerics real_model real_scale bench smoke)
+declare -A OPTIONAL=([smoke]=1)
+
+now() { echo $((SECONDS - START)); }
+atleast1() { if [ "$1" -lt 1 ]; then echo 1; else echo "$1"; fi; }  # timeout 0 would mean no limit
+left() { echo $((BUDGET - RESERVE - (SECONDS - START))); }
+reserved_after() {  # the minimum slices of the non-optional parts after $1
+  local seen=0 sum=0 p
+  for p in "${ORDER[@]}"; do
+    if [ "$seen" = 1 ] && [ -z "${OPTIONAL[$p]:-}" ]; then sum=$((sum + PMIN[$p])); fi
+    [ "$p" = "$1" ] && seen=1
+  done
+  echo "$sum"
+}
+SLICE=0
+plan() {  # plan NAME: sets SLICE (0: skipped for the budget, recorded)
+  local name="$1" avail
+  avail=$(( $(left) - $(reserved_after "$name") ))
+  [ "$avail" -lt 0 ] && avail=0
+  SLICE=$(( avail < PCAP[$name] ? avail : PCAP[$name] ))
+  if [ "$SLICE" -lt "${PMIN[$name]}" ]; then
+    # "budget:" marks a part the check should have run (the verdict is then INCOMPLETE); an optional part says so
+    local tag="budget"
+    [ -n "${OPTIONAL[$name]:-}" ] && tag="budget (optional part)"
+    record "$name" skipped 0 0 "$tag: ${avail}s left for it after reserving $(reserved_after "$name")s for the later \
+parts and ${RESERVE}s for the report (budget ${BUDGET}s); it needs at least ${PMIN[$name]}s; raise \
+STALERL_CHECK_BUDGET_S or --budget"
+    echo "gpu_check: SKIP $name: not enough of the budget left (${avail}s < ${PMIN[$name]}s)"
+    SLICE=0
+  fi
+}
+record() {  # name status seconds limit why  (one line of parts.tsv; the report reads it)
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$(echo "$5" | tr '\t\n' '  ')" >> "$PARTS"
+}
+status_of() {  # exit code -> pass / cut / fail
+  case "$1" in 0) echo pass ;; 124|137) echo cut ;; *) echo fail ;; esac
+}
+SMI_PID=""
+smi_start() {  # nvidia-smi's memory.used, sampled every 0.5 s while a part runs (when the image has nvidia-smi)
+  SMI_PID=""
+  if [ "$DEVICE" != cpu ] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT_DIR/parts/$1.smi.csv" 2>/dev/null &
+    SMI_PID=$!
+  fi
+}
+smi_stop() { [ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; SMI_PID=""; }
+tail_log() { tail -"${2:-15}" "$1" 2>/dev/null | sed 's/^/    /' >&2; }
+
 # First line: whether the carried wheels are here (.whl/ is git-ignored, so a copy of the tracked files lacks it)
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   echo "gpu_check: wheels: $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')in $WHEELS"
 else
   echo "gpu_check: wheels: $WHEELS is MISSING (git-ignored): run bash scripts/prepare_gpu_wheels.sh where pip reaches" \
-       "PyPI and carry .whl/ with the repository (needed when the image lacks omegaconf)"
+       "PyPI and carry .whl/ with the repository (needed when the image lacks omegaconf, gguf or accelerate)"
 fi
+echo "gpu_check: device $DEVICE, budget ${BUDGET}s; report, logs and runs in $OUT_DIR$OUT_NOTE; scratch $WORK"
 
-# ---------------------------------------------------------------------------------------------- 1. environment
-if [ "${STALERL_CHECK_FORCE_WHEELS:-0}" = 1 ] || ! "$PY" -c "import omegaconf" 2>/dev/null; then
-  ls "$WHEELS"/*.whl >/dev/null 2>&1 \
-    || fail "omegaconf is not importable and $WHEELS holds no wheels: run bash scripts/prepare_gpu_wheels.sh" \
-            "where pip reaches PyPI, and carry .whl/ along"
-  # The wheels are pure Python (py3-none-any): without pip (or with STALERL_CHECK_NO_PIP=1) they are unpacked,
-  # which is all such an install does.
-  if [ "${STALERL_CHECK_NO_PIP:-0}" != 1 ] && "$PY" -m pip --version >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target "$WORK/pydeps" "$WHEELS"/*.whl \
-      || fail "installing $WHEELS/*.whl into $WORK/pydeps"
-    HOW=installed
-  else
-    "$PY" - "$WORK/pydeps" "$WHEELS"/*.whl <<'PYEOF' || fail "unpacking $WHEELS/*.whl into $WORK/pydeps"
-import sys, zipfile
-for whl in sys.argv[2:]:
-    if not whl.endswith(("-py3-none-any.whl", "-py2.py3-none-any.whl")):
-        sys.exit(f"gpu_check: {whl} is not a pure-Python wheel; unpacking it is not an install")
-    zipfile.ZipFile(whl).extractall(sys.argv[1])
+# ------------------------------------------------------------------------------------------ environment
+PART_START=$SECONDS
+ENV_LIMIT=$(( $(left) < 120 ? $(left) : 120 ))
+ENV_OK=1
+if [ "$ENV_LIMIT" -lt 5 ]; then
+  ENV_OK=0
+  record environment skipped 0 0 "budget: ${ENV_LIMIT}s left (budget ${BUDGET}s)"
+else
+  # The wheels whose modules the image lacks (all of them with STALERL_CHECK_FORCE_WHEELS=1), installed with pip
+  # --target, or unpacked where there is no pip (STALERL_CHECK_NO_PIP=1): a wheel's install is its unpacking.
+  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    timeout -k 5 "$ENV_LIMIT" "$PY" - "$WORK/pydeps" "${STALERL_CHECK_FORCE_WHEELS:-0}" "${STALERL_CHECK_NO_PIP:-0}" \
+        "$OUT_DIR/parts/wheels.json" "$WHEELS"/*.whl <<'PYEOF'
+import importlib.util, json, os, subprocess, sys, sysconfig, zipfile
+target, force, no_pip, out, wheels = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4], sys.argv[5:]
+
+
+def top_levels(whl):
+    names = set()
+    for n in zipfile.ZipFile(whl).namelist():
+        head = n.split("/", 1)[0]
+        if head.endswith((".dist-info", ".data")):
+            continue
+        names.add(head[:-3] if head.endswith(".py") else head.split(".", 1)[0])
+    return sorted(names)
+
+
+def compatible(whl):  # what an unpacking may install: pure Python, or built for this interpreter
+    tags = whl[:-4].split("-")[-3:]
+    if tags[1] == "none" and tags[2] == "any":
+        return True
+    try:
+        from packaging.tags import sys_tags
+    except ImportError:
+        return False
+    mine = {str(t) for t in sys_tags()}
+    return any(f"{py}-{abi}-{plat}" in mine for py in tags[0].split(".") for abi in tags[1].split(".")
+               for plat in tags[2].split("."))
+
+
+chosen, present = [], []
+for whl in wheels:
+    mods = [m for m in top_levels(whl) if not m.startswith("_")] or top_levels(whl)
+    if not force and mods and all(importlib.util.find_spec(m) is not None for m in mods):
+        present.append(os.path.basename(whl))
+    else:
+        chosen.append(whl)
+how = "none needed"
+if chosen:
+    has_pip = not no_pip and subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
+    if has_pip:
+        res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                              target, *chosen], capture_output=True, text=True)
+        if res.returncode:
+            sys.exit(f"gpu_check: pip install --target {target} failed: {res.stderr[-800:]}")
+        how = "installed"
+    else:
+        for whl in chosen:
+            if not compatible(whl):
+                sys.exit(f"gpu_check: {os.path.basename(whl)} is not built for this interpreter; unpacking it is not "
+                         "an install")
+            zipfile.ZipFile(whl).extractall(target)
+        how = "unpacked (no pip)"
+names = " ".join(os.path.basename(w) for w in chosen)
+print(f"gpu_check: {how} {names + ' ' if names else ''}into {target}"
+      + (f"; the image has {', '.join(present)}" if present else ""))
+json.dump({"how": how, "installed": [os.path.basename(w) for w in chosen], "image_has": present, "target": target},
+          open(out, "w"), indent=2)
 PYEOF
-    HOW="unpacked (no pip)"
+    [ $? -eq 0 ] || ENV_OK=0
   fi
   export PYTHONPATH="$WORK/pydeps:$PYTHONPATH"
-  echo "gpu_check: $HOW $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')into $WORK/pydeps"
-fi
-"$PY" - "$DEVICE" <<'PYEOF' || fail "environment (above)"
-import importlib, platform, sys
+  if [ "$ENV_OK" = 1 ]; then
+    timeout -k 5 "$(atleast1 $(( $(left) < 60 ? $(left) : 60 )))" "$PY" - "$DEVICE" "$OUT_DIR/parts/environment.json" <<'PYEOF'
+import importlib.util, json, platform, sys
 missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "yaml", "tqdm", "omegaconf")
            if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu_check: missing Python modules {missing} (omegaconf: scripts/prepare_gpu_wheels.sh; the others "
              "come with transformers)")
 import omegaconf, torch, transformers
-print(f"gpu_check: Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"transformers {transformers.__version__}, omegaconf {omegaconf.__version__} ({omegaconf.__file__})")
+env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "transformers": transformers.__version__, "omegaconf": omegaconf.__version__,
+       "model_converter": {m: importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate")},
+       "vllm": importlib.util.find_spec("vllm") is not None, "gpus": []}
+print(f"gpu_check: Python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), transformers "
+      f"{env['transformers']}, omegaconf {env['omegaconf']} ({omegaconf.__file__})")
 if sys.argv[1] != "cpu":
     if not torch.cuda.is_available():
+        json.dump(env, open(sys.argv[2], "w"), indent=2)
         sys.exit("gpu_check: no CUDA device visible; for the CPU dry mode set STALERL_SMOKE_DEVICE=cpu")
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
+        env["gpus"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
         print(f"gpu_check: GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
+json.dump(env, open(sys.argv[2], "w"), indent=2)
 PYEOF
+    [ $? -eq 0 ] || ENV_OK=0
+  fi
+  if [ "$ENV_OK" = 1 ]; then
+    record environment pass $((SECONDS - PART_START)) "$ENV_LIMIT" ""
+  else
+    record environment fail $((SECONDS - PART_START)) "$ENV_LIMIT" "the environment is not usable (see the lines above)"
+  fi
+fi
 
-# ---------------------------------------------------------------------------------------------- 2. real scale
-if [ "$DEVICE" = "cpu" ]; then
+# The real model's conversion, in the background from here (CPU work; the numerics use the device meanwhile)
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_DIR="${STALERL_MODEL_GGUF_DIR:-$REPO/../shared/models}"
+MODEL_CACHE="${STALERL_CACHE:+$STALERL_CACHE/models}"
+MODEL_CACHE="${MODEL_CACHE:-$WORK/models}"
+FETCH_PID=""
+FETCH_SKIP=""
+if [ "$ENV_OK" != 1 ]; then
+  FETCH_SKIP="the environment failed"
+elif [ ! -f "$GGUF_DIR/$GGUF_NAME" ]; then
+  FETCH_SKIP="no $GGUF_NAME in $GGUF_DIR (carry ../shared/models or set STALERL_MODEL_GGUF_DIR)"
+else
+  FETCH_LIMIT=$(( $(left) - PMIN[real_scale] - PMIN[bench] ))
+  if [ "$FETCH_LIMIT" -gt 10 ]; then
+    echo "gpu_check: converting $GGUF_NAME into $MODEL_CACHE in the background ($(date -u +%H:%M:%S))"
+    timeout -k 5 "$FETCH_LIMIT" "$PY" -m stalerl.launch.model_cli fetch smollm2-135m-instruct \
+      --gguf "$GGUF_DIR/$GGUF_NAME" --cache-dir "$MODEL_CACHE" > "$OUT_DIR/logs/model_fetch.log" 2>&1 &
+    FETCH_PID=$!
+  else
+    FETCH_SKIP="budget: ${FETCH_LIMIT}s left for the conversion"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ numerics
+if [ "$ENV_OK" != 1 ]; then
+  record numerics skipped 0 0 "the environment failed"
+else
+  plan numerics
+  if [ "$SLICE" -gt 0 ]; then
+    echo "gpu_check: numerics (losses vs CPU float64, chunked vs plain log-probs, fsdp:d1 vs torch:d1; limit ${SLICE}s)"
+    PART_START=$SECONDS
+    smi_start numerics
+    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_numerics.py --device "$DEVICE" --out "$OUT_DIR/parts/numerics.json" \
+      > "$OUT_DIR/logs/numerics.log" 2>&1
+    RC=$?
+    smi_stop
+    grep -m1 '^gpu_check numerics' "$OUT_DIR/logs/numerics.log" 2>/dev/null
+    grep -E '^  FAIL' "$OUT_DIR/logs/numerics.log" 2>/dev/null | head -20
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: numerics exit code $RC; last lines of $OUT_DIR/logs/numerics.log:" >&2
+      tail_log "$OUT_DIR/logs/numerics.log"; fi
+    record numerics "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
+      "$([ "$RC" -ne 0 ] && [ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ real model
+# SmolLM2-135M-Instruct on smollm2_add_m2po_cpu.yaml's task (chat template, "What is a + b?"), at a real batch on the
+# device; one run per engine dtype (and vLLM when importable). Staleness 0: every batch is trained at once.
+if [ "$DEVICE" = cpu ]; then
+  MODEL_OVERRIDES=(actor.device=cpu torch_threads=1 train_dataset.batch_size=2 gconfig.n_samples=4
+                   gconfig.max_new_tokens=12 eval_gconfig.max_new_tokens=12 valid_dataset.batch_size=4
+                   evaluator.n_prompts=4 cluster.n_gpus_per_node=0)
+else
+  MODEL_OVERRIDES=(actor.device=cuda torch_threads=8 train_dataset.batch_size=64 gconfig.n_samples=8
+                   evaluator.n_prompts=128 cluster.n_gpus_per_node=1)
+fi
+VARIANTS=(bfloat16 float32)
+VLLM_WHY="$("$PY" - "$DEVICE" <<'PYEOF' 2>/dev/null
+import importlib.util, os, sys
+if os.environ.get("STALERL_CHECK_VLLM", "1") == "0":
+    print("STALERL_CHECK_VLLM=0")
+elif sys.argv[1] == "cpu":
+    print("CPU dry mode: the vLLM engine's mismatch is measured on CUDA only")
+elif importlib.util.find_spec("vllm") is None:
+    print("vLLM is not importable here (the bare CUDA image has none, and its wheel is larger than a slot carries)")
+PYEOF
+)"
+if [ -z "$VLLM_WHY" ]; then VARIANTS+=(vllm); else record real_model/vllm skipped 0 0 "$VLLM_WHY"; fi
+if [ "$ENV_OK" != 1 ]; then
+  record real_model skipped 0 0 "the environment failed"
+elif [ -n "$FETCH_SKIP" ]; then
+  if [ "${STALERL_REQUIRE_REAL_MODEL:-0}" = 1 ] && [ "${FETCH_SKIP#no }" != "$FETCH_SKIP" ]; then
+    record real_model fail 0 0 "STALERL_REQUIRE_REAL_MODEL=1 but $FETCH_SKIP"
+  else
+    record real_model skipped 0 0 "$FETCH_SKIP"
+  fi
+else
+  plan real_model
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    PART_END=$((SECONDS + SLICE))
+    MODEL_DIR=""
+    while kill -0 "$FETCH_PID" 2>/dev/null && [ $SECONDS -lt $PART_END ]; do sleep 1; done
+    if kill -0 "$FETCH_PID" 2>/dev/null; then
+      kill -- "$FETCH_PID" 2>/dev/null
+      record real_model cut $((SECONDS - PART_START)) "$SLICE" \
+        "the model conversion did not finish within the part's ${SLICE}s slice (log $OUT_DIR/logs/model_fetch.log)"
+    else
+      wait "$FETCH_PID"
+      FRC=$?
+      MODEL_DIR="$(tail -1 "$OUT_DIR/logs/model_fetch.log")"
+      if [ "$FRC" -ne 0 ] || [ ! -f "$MODEL_DIR/config.json" ]; then
+        echo "gpu_check: converting the real model failed (exit $FRC); last lines of $OUT_DIR/logs/model_fetch.log:" >&2
+        tail_log "$OUT_DIR/logs/model_fetch.log"
+        record real_model "$(status_of "$FRC" | sed 's/pass/fail/')" $((SECONDS - PART_START)) "$SLICE" \
+          "converting the GGUF failed (exit $FRC): $(tail -1 "$OUT_DIR/logs/model_fetch.log")"
+        MODEL_DIR=""
+      else
+        echo "gpu_check: real model at $MODEL_DIR (ready after $(now)s)"
+      fi
+    fi
+    if [ -n "$MODEL_DIR" ]; then
+      WORST=pass
+      N=${#VARIANTS[@]}
+      for i in "${!VARIANTS[@]}"; do
+        V=${VARIANTS[$i]}
+        RUN_LIMIT=$(( (PART_END - SECONDS) / (N - i) ))
+        if [ "$RUN_LIMIT" -lt 10 ]; then
+          record "real_model/$V" skipped 0 0 "budget: ${RUN_LIMIT}s left of the part's slice"
+          continue
+        fi
+        EXTRA=(actor.dtype="$V")
+        [ "$V" = vllm ] && EXTRA=(actor.dtype=bfloat16 rollout.backend=vllm:d1)
+        LOGF="$OUT_DIR/logs/real_model_$V.log"
+        echo "gpu_check: real model, $V engine: $MODEL_STEPS steps (log $LOGF, limit ${RUN_LIMIT}s)"
+        RSTART=$SECONDS
+        smi_start "real_model_$V"
+        timeout -k 5 "$RUN_LIMIT" "$PY" examples/math/gsm8k_rl.py --config examples/math/smollm2_add_m2po_cpu.yaml \
+          trial_name="real-model-$V" actor.path="$MODEL_DIR" cluster.fileroot="$OUT_DIR/runs" \
+          total_train_steps="$MODEL_STEPS" rollout.fixed_staleness=0 evaluator.freq_steps="$MODEL_STEPS" \
+          recover.mode=disabled saver.save_final=false stats_logger.mismatch_freq_steps=1 \
+          stats_logger.mismatch_max_rows=null stats_logger.tensorboard=false stats_logger.progress_bar=false \
+          "${MODEL_OVERRIDES[@]}" "${EXTRA[@]}" > "$LOGF" 2>&1
+        RC=$?
+        smi_stop
+        if [ "$RC" -ne 0 ]; then echo "gpu_check: real model ($V) exit code $RC; last lines of $LOGF:" >&2; tail_log "$LOGF"; fi
+        "$PY" scripts/gpu_check_report.py "$OUT_DIR/runs/smollm2-add-m2po-cpu/real-model-$V" --kind real_model \
+          --variant "$V" --steps "$MODEL_STEPS" --exit-code "$RC" --device "$DEVICE" --log "$LOGF" \
+          --nvidia-smi "$OUT_DIR/parts/real_model_$V.smi.csv" --out "$OUT_DIR/parts/real_model_$V.json" \
+          | sed 's/^/  /'
+        PRC=${PIPESTATUS[0]}
+        S=$(status_of "$RC")
+        [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail
+        record "real_model/$V" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" \
+          "$([ "$S" = cut ] && echo "its ${RUN_LIMIT}s share of the part's slice ran out")"
+        [ "$S" = fail ] && WORST=fail
+        [ "$S" = cut ] && [ "$WORST" = pass ] && WORST=cut
+      done
+      record real_model "$WORST" $((SECONDS - PART_START)) "$SLICE" ""
+    fi
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ real scale
+# Overrides of the shipped config, and why:
+#   rollout.fixed_staleness=0       shipped 8: filling the FIFO would generate 9 batches of 64 x 4 x 512 tokens before
+#                                   the first step; 0 generates one per step (the step's cost is the same)
+#   actor.adv_norm=null actor.reward_bias=-0.5   a random model never answers right, so group-normalised
+#                                   advantages would all be 0 and nothing would be trained (as in gpu_smoke.sh)
+#   evaluator.freq_steps=null recover.mode=disabled saver.save_final=false   no evaluation or checkpoints (the smoke
+#                                   part covers them; here they would write ~25 GB of fp32 weights + AdamW)
+if [ "$DEVICE" = cpu ]; then
   ASSETS=(--size cpu)
   SIZE_OVERRIDES=(actor.device=cpu torch_threads=1 train_dataset.batch_size=4 gconfig.max_new_tokens=8
                   eval_gconfig.max_new_tokens=8 actor.mb_spec.max_tokens_per_mb=512 cluster.n_gpus_per_node=0)
@@ -106,54 +408,91 @@ else
   ASSETS=(--size qwen2.5-1.5b --device cuda --save-dtype bfloat16)
   SIZE_OVERRIDES=()
 fi
-echo "gpu_check: building the real-scale assets in $WORK/real ($(date -u +%H:%M:%S))"
-"$PY" scripts/smoke_assets.py "$WORK/real" "${ASSETS[@]}" || fail "building the assets"
-RUN="$WORK/runs/gsm8k-m2po/real-scale"
-LOG="$WORK/real-scale.log"
-# nvidia-smi's view (CUDA context and allocator cache included), sampled while the run lasts, when the image has it
-SMI_PID=""
-if [ "$DEVICE" != "cpu" ] && command -v nvidia-smi >/dev/null 2>&1; then
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$WORK/nvidia-smi.csv" 2>/dev/null &
-  SMI_PID=$!
+if [ "$ENV_OK" != 1 ]; then
+  record real_scale skipped 0 0 "the environment failed"
+else
+  plan real_scale
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    LOG="$OUT_DIR/logs/real_scale.log"
+    echo "gpu_check: real scale: building the assets in $WORK/real, then gsm8k_m2po.yaml for $STEPS steps (log $LOG, limit ${SLICE}s)"
+    smi_start real_scale
+    timeout -k 5 "$SLICE" bash -c '"$0" scripts/smoke_assets.py "$1/real" "${@:2}"' "$PY" "$WORK" "${ASSETS[@]}" > "$LOG" 2>&1 \
+      && timeout -k 5 "$(atleast1 $(( PART_START + SLICE - SECONDS )))" "$PY" examples/math/gsm8k_rl.py \
+        --config examples/math/gsm8k_m2po.yaml trial_name=real-scale \
+        actor.path="$WORK/real/model" train_dataset.path="$WORK/real/data" valid_dataset.path="$WORK/real/data" \
+        cluster.fileroot="$OUT_DIR/runs" total_train_steps="$STEPS" rollout.fixed_staleness=0 actor.adv_norm=null \
+        actor.reward_bias=-0.5 evaluator.freq_steps=null recover.mode=disabled saver.save_final=false \
+        stats_logger.tensorboard=false stats_logger.progress_bar=false stats_logger.log_every=1 \
+        "${SIZE_OVERRIDES[@]}" >> "$LOG" 2>&1
+    RC=$?
+    smi_stop
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: real-scale exit code $RC; last lines of $LOG:" >&2; tail_log "$LOG" 20; fi
+    "$PY" scripts/gpu_check_report.py "$OUT_DIR/runs/gsm8k-m2po/real-scale" --steps "$STEPS" --exit-code "$RC" \
+      --device "$DEVICE" --nvidia-smi "$OUT_DIR/parts/real_scale.smi.csv" --log "$LOG" \
+      --out "$OUT_DIR/parts/real_scale.json" | sed 's/^/  /'
+    PRC=${PIPESTATUS[0]}
+    S=$(status_of "$RC")
+    [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail
+    record real_scale "$S" $((SECONDS - PART_START)) "$SLICE" \
+      "$([ "$S" = cut ] && echo "its ${SLICE}s slice ran out (the report lists the steps it finished)")"
+  fi
 fi
-echo "gpu_check: running gsm8k_m2po.yaml for $STEPS steps (log $LOG, limit ${LIMIT}s)"
-timeout "$LIMIT" "$PY" examples/math/gsm8k_rl.py --config examples/math/gsm8k_m2po.yaml trial_name=real-scale \
-  actor.path="$WORK/real/model" train_dataset.path="$WORK/real/data" valid_dataset.path="$WORK/real/data" \
-  cluster.fileroot="$WORK/runs" total_train_steps="$STEPS" rollout.fixed_staleness=1 actor.adv_norm=null \
-  actor.reward_bias=-0.5 evaluator.freq_steps=null recover.mode=disabled saver.save_final=false \
-  stats_logger.tensorboard=false stats_logger.progress_bar=false stats_logger.log_every=1 \
-  "${SIZE_OVERRIDES[@]}" >"$LOG" 2>&1
-RC=$?
-[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
-REAL_OK=1
-if [ "$RC" -ne 0 ]; then
-  REAL_OK=0
-  [ "$RC" -eq 124 ] && echo "gpu_check: the real-scale run passed its ${LIMIT}s limit" >&2
-  echo "gpu_check: real-scale run exit code $RC; last lines of $LOG:" >&2
-  tail -20 "$LOG" | sed 's/^/    /' >&2
-fi
-# ---------------------------------------------------------------------------------------------- 3. measurements
-# chunked vs plain log-probs at the 1.5B head shape; vLLM tokens/s with and without CUDA graphs and its weight-sync
-# path and time per sync (colocated; nccl with 2 GPUs); the vLLM parts say why when skipped (no vLLM in the image)
-echo "gpu_check: measurements (log-probs, vLLM with / without CUDA graphs, weight sync; limit ${BENCH_LIMIT}s)"
-rm -f "$WORK/gpu_check_bench.json"
-timeout "$BENCH_LIMIT" "$PY" scripts/gpu_check_bench.py --device "$DEVICE" --model "$WORK/real/model" \
-  --out "$WORK/gpu_check_bench.json" >"$WORK/bench.log" 2>&1 \
-  || { echo "gpu_check: measurements failed (exit $?); last lines of $WORK/bench.log:" >&2
-       tail -15 "$WORK/bench.log" | sed 's/^/    /' >&2; }
-"$PY" scripts/gpu_check_report.py "$RUN" --steps "$STEPS" --exit-code "$RC" --device "$DEVICE" \
-  --nvidia-smi "$WORK/nvidia-smi.csv" --log "$LOG" --bench "$WORK/gpu_check_bench.json" \
-  --out "$WORK/gpu_check_report.json" || REAL_OK=0
-if [ -n "${STALERL_CHECK_REPORT:-}" ] && [ -f "$WORK/gpu_check_report.json" ]; then
-  cp "$WORK/gpu_check_report.json" "$STALERL_CHECK_REPORT"
-fi
-echo "gpu_check: real-scale part done after $((SECONDS - START))s"
 
-# ---------------------------------------------------------------------------------------------- 4. smoke runs
-bash scripts/gpu_smoke.sh
-SMOKE_RC=$?
+# ------------------------------------------------------------------------------------------ bench
+if [ "$ENV_OK" != 1 ]; then
+  record bench skipped 0 0 "the environment failed"
+else
+  plan bench  # without the real-scale model (part skipped or cut) its vLLM parts say so; the log-prob part runs
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    echo "gpu_check: measurements (log-prob time, vLLM with / without CUDA graphs, weight sync; limit ${SLICE}s)"
+    smi_start bench
+    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_bench.py --device "$DEVICE" --model "$WORK/real/model" \
+      --out "$OUT_DIR/parts/bench.json" > "$OUT_DIR/logs/bench.log" 2>&1
+    RC=$?
+    smi_stop
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: measurements exit code $RC; last lines of $OUT_DIR/logs/bench.log:" >&2
+      tail_log "$OUT_DIR/logs/bench.log"; fi
+    record bench "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
+      "$([ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ smoke
+if [ "$ENV_OK" != 1 ]; then
+  record smoke skipped 0 0 "the environment failed"
+else
+  plan smoke
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    echo "gpu_check: smoke runs (scripts/gpu_smoke.sh; log $OUT_DIR/logs/smoke.log, limit ${SLICE}s)"
+    smi_start smoke
+    STALERL_SMOKE_DIR="$WORK/smoke" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" \
+      timeout -k 5 "$SLICE" bash scripts/gpu_smoke.sh > "$OUT_DIR/logs/smoke.log" 2>&1
+    RC=$?
+    smi_stop
+    grep -E '^smoke: (PASS|FAIL|SKIP)' "$OUT_DIR/logs/smoke.log" | sed 's/^/  /'
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: smoke runs exit code $RC; last lines of $OUT_DIR/logs/smoke.log:" >&2
+      tail_log "$OUT_DIR/logs/smoke.log"; fi
+    record smoke "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
+      "$([ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ report
+if [ -n "$FETCH_PID" ] && kill -0 "$FETCH_PID" 2>/dev/null; then kill -- "$FETCH_PID" 2>/dev/null; fi
 echo
-verdict() { [ "$1" = "$2" ] && echo PASS || echo FAIL; }
-echo "gpu_check: real scale $(verdict $REAL_OK 1), smoke runs $(verdict $SMOKE_RC 0);" \
-     "$((SECONDS - START))s in all (report $WORK/gpu_check_report.json)"
-[ $REAL_OK = 1 ] && [ $SMOKE_RC = 0 ]
+timeout -k 2 "$((RESERVE - 3))" "$PY" scripts/gpu_check_report.py assemble "$OUT_DIR" --device "$DEVICE" \
+  --budget "$BUDGET" --elapsed "$(now)"
+RC=$?
+if [ "$RC" -ne 0 ] && [ "$RC" -ne 1 ] && [ "$RC" -ne 3 ]; then
+  echo "gpu_check: FAIL writing the report (exit $RC); the parts' files are in $OUT_DIR" >&2
+  RC=1
+fi
+if [ -n "${STALERL_CHECK_REPORT:-}" ] && [ -f "$OUT_DIR/gpu_check_report.json" ]; then
+  cp "$OUT_DIR/gpu_check_report.json" "$STALERL_CHECK_REPORT"
+fi
+if [ "$MADE_WORK" = 1 ] && [ "${STALERL_CHECK_KEEP_WORK:-0}" != 1 ]; then rm -rf "$WORK"; fi
+echo "gpu_check: $(now)s of ${BUDGET}s; report $OUT_DIR/gpu_check_report.json"
+exit "$RC"

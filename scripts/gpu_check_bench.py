@@ -329,10 +329,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     n_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     work = args.out.parent / "bench"
+    def no_model(need_gpus: int) -> Optional[dict[str, Any]]:  # the vLLM parts' model: the real-scale part's
+        if vllm_skip_reason(args.device, n_gpus, need_gpus) or (args.model / "config.json").is_file():
+            return None  # the part itself says why it is skipped, or runs
+        return {"run": False, "why": f"no model at {args.model} (the real-scale part, which builds it, was skipped "
+                                     "or cut)"}
+
     bench = {"logprob": _guarded(lambda: logprob_bench(args.device)),
-             "vllm": _guarded(lambda: vllm_bench(args.device, args.model, work, n_gpus)),
-             "nccl": (_guarded(lambda: nccl_bench(args.model, work / "nccl", n_gpus)) if args.device == "cuda"
-                      else {"run": False, "why": "CUDA only (NCCL between two GPUs)"})}
+             "vllm": no_model(1) or _guarded(lambda: vllm_bench(args.device, args.model, work, n_gpus)),
+             "nccl": ((no_model(2) or _guarded(lambda: nccl_bench(args.model, work / "nccl", n_gpus)))
+                      if args.device == "cuda" else {"run": False, "why": "CUDA only (NCCL between two GPUs)"})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(bench, indent=2))
     print("\n".join(["gpu_check bench:"] + format_bench(bench)))

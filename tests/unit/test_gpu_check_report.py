@@ -158,3 +158,109 @@ def test_vllm_child_measures_one_engine_and_writes_its_result(tmp_path, monkeypa
     assert calls == [("set_version", 0), ("generate", g["prompts"], g["max_new_tokens"]),
                      ("generate", g["prompts"], g["max_new_tokens"]), ("set_version", 1), ("set_version", 2),
                      ("close",)]
+
+
+# ------------------------------------------------------------------------------------------------ real model
+def _model_row(step: int, abs_mean: float = 2e-6, **over) -> dict:
+    row = _row(step, **{"actor/grad_norm": 0.0, "timing/split/forward_backward_s": 2.0,
+                        "timing/split/optimizer_s": 0.5, "throughput/train_tokens_per_s": 500.0 * step,
+                        "mismatch/abs_mean": abs_mean, "mismatch/m2": abs_mean ** 2, "mismatch/max_abs": 10 * abs_mean,
+                        "mismatch/abs_p99": 5 * abs_mean, "mismatch/frac_gt_0.1": 0.0, "mismatch/mean": 0.0,
+                        "mismatch/tokens": 100.0 * step})
+    row.update(over)
+    return row
+
+
+def test_real_model_runs_report_the_mismatch_and_check_the_float32_engine():
+    rows = [{"step": 0}, _model_row(1), _model_row(2, abs_mean=4e-6, **{"timing/eval_s": 1.5})]
+    rep = report_mod.build_report(rows, steps=2, exit_code=0, device="cuda", smi_peak_mib=None, kind="real_model",
+                                  variant="float32")
+    assert rep["ok"], rep["problems"]  # a zero gradient is no problem here (a group without reward signal)
+    mm = rep["mismatch"]
+    assert mm["steps"] == 2 and mm["tokens"] == 300 and mm["abs_mean"] == pytest.approx((2e-6 * 100 + 4e-6 * 200) / 300)
+    assert mm["max_abs"] == pytest.approx(4e-5) and mm["abs_p99"] == pytest.approx(2e-5)
+    assert rep["summary"]["train_tokens_per_s"] == 1000.0 and rep["summary"]["steps_in_means"] == [2]
+    assert rep["summary"]["eval_s"] == 1.5 and rep["summary"]["peak_memory_gib"] == 37.0
+    (check,) = rep["checks"]
+    assert check["passed"] and check["tolerance"] == report_mod.FP32_MISMATCH_TOL and check["rule"]
+    assert "engine mismatch over 2 steps, 300 tokens" in report_mod.format_report(rep)
+    # float32 engine and trainer disagreeing, or no mismatch logged at all: named problems
+    bad = report_mod.build_report([_model_row(1, abs_mean=1e-3), _model_row(2)], steps=2, exit_code=0, device="cuda",
+                                  smi_peak_mib=None, kind="real_model", variant="float32")
+    assert not bad["ok"] and any("float32 engine mismatch" in p for p in bad["problems"])
+    bf16 = report_mod.build_report([_model_row(1, abs_mean=0.02), _model_row(2, abs_mean=0.02)], steps=2, exit_code=0,
+                                   device="cuda", smi_peak_mib=None, kind="real_model", variant="bfloat16")
+    assert bf16["ok"] and bf16["checks"] == []  # bf16's mismatch is measured, not bounded
+    none = [{k: v for k, v in _model_row(s).items() if not k.startswith("mismatch/")} for s in (1, 2)]
+    rep = report_mod.build_report(none, steps=2, exit_code=0, device="cuda", smi_peak_mib=None, kind="real_model",
+                                  variant="bfloat16")
+    assert not rep["ok"] and any("no mismatch" in p for p in rep["problems"])
+    # the real-scale run still requires a gradient (its shifted rewards always train)
+    rep = report_mod.build_report([_model_row(1), _model_row(2)], steps=2, exit_code=0, device="cuda",
+                                  smi_peak_mib=None)
+    assert not rep["ok"] and any("zero gradient" in p for p in rep["problems"])
+
+
+# ------------------------------------------------------------------------------------------------ the whole check
+def _check_dir(tmp_path, lines, numerics_ok=True):
+    out = tmp_path / "out"
+    (out / "parts").mkdir(parents=True)
+    (out / "logs").mkdir()
+    (out / "parts.tsv").write_text("".join("\t".join(str(c) for c in line) + "\n" for line in lines))
+    entry = {"check": "loss/m2po", "dtype": "float32", "quantity": "loss", "error": 1e-8 if numerics_ok else 1.0,
+             "tolerance": 2e-5, "comparison": "<=", "rule": "r", "passed": numerics_ok}
+    (out / "parts" / "numerics.json").write_text(json.dumps({
+        "entries": [entry], "errors": [], "ok": numerics_ok,
+        "summary": {"checks": 1, "passed": int(numerics_ok), "errors": [],
+                    "failed": [] if numerics_ok else ["loss/m2po [float32] loss: 1 (tolerance <= 2e-05)"]}}))
+    run = report_mod.build_report([_model_row(1), _model_row(2)], steps=2, exit_code=0, device="cpu",
+                                  smi_peak_mib=None, kind="real_model", variant="float32")
+    (out / "parts" / "real_model_float32.json").write_text(json.dumps(run))
+    (out / "parts" / "bench.json").write_text(json.dumps(MEASURED))
+    (out / "logs" / "smoke.log").write_text("smoke: PASS single-gpu-torch-d1 in 9s: ok\n"
+                                            "smoke: SKIP async-torch-d2: needs 3 GPUs (one per rank), 1 visible\n")
+    return out
+
+
+PASSED = [("environment", "pass", 5, 120, ""), ("numerics", "pass", 20, 90, ""),
+          ("real_model/vllm", "skipped", 0, 0, "vLLM is not importable here"),
+          ("real_model/float32", "pass", 30, 70, ""), ("real_model", "pass", 60, 150, ""),
+          ("real_scale", "pass", 100, 180, ""), ("bench", "pass", 20, 60, ""),
+          ("smoke", "skipped", 0, 0, "budget (optional part): 100s left for it ...")]
+
+
+def test_the_check_report_passes_lists_what_was_skipped_and_why(tmp_path):
+    out = _check_dir(tmp_path, PASSED)
+    assert report_mod.main(["assemble", str(out), "--device", "cuda", "--budget", "420", "--elapsed", "300"]) == 0
+    data = json.loads((out / report_mod.REPORT).read_text())
+    s = data["summary"]
+    assert s["verdict"] == "PASS" and s["within_budget"] and s["incomplete"] == []
+    assert s["parts"] == {"environment": "pass", "numerics": "pass", "real_model": "pass", "real_scale": "pass",
+                          "bench": "pass", "smoke": "skipped"}
+    assert s["numerics"] == {"checks": 2, "passed": 2, "failed": 0}  # + the real model's float32 engine check
+    assert s["real_model"]["float32"]["mismatch"]["abs_mean"] > 0
+    whats = {x["what"]: x["why"] for x in data["skipped"]}
+    assert whats["real_model/vllm"] == "vLLM is not importable here" and whats["bench/nccl"].startswith("needs 2")
+    assert whats["smoke"].startswith("budget (optional part)") and whats["smoke/async-torch-d2"].startswith("needs 3")
+    assert all(why for why in whats.values())
+
+
+@pytest.mark.parametrize("change, verdict, code, words", [
+    (("real_scale", "cut", 180, 180, "its 180s slice ran out"), "INCOMPLETE", 3, "cut after 180s: its 180s slice"),
+    (("real_scale", "skipped", 0, 0, "budget: 40s left for it"), "INCOMPLETE", 3, "budget: 40s"),
+    (("real_scale", "fail", 50, 180, ""), "FAIL", 1, "real_scale failed"),
+])
+def test_a_cut_or_budget_skipped_part_is_incomplete_and_a_failed_one_fails(tmp_path, change, verdict, code, words):
+    lines = [change if line[0] == change[0] else line for line in PASSED]
+    out = _check_dir(tmp_path, lines)
+    assert report_mod.main(["assemble", str(out), "--device", "cuda", "--budget", "420", "--elapsed", "400"]) == code
+    s = json.loads((out / report_mod.REPORT).read_text())["summary"]
+    assert s["verdict"] == verdict
+    assert any(words in x for x in s["skipped"] + s["problems"]), s
+
+
+def test_a_failed_comparison_fails_the_check(tmp_path):
+    out = _check_dir(tmp_path, PASSED, numerics_ok=False)
+    assert report_mod.main(["assemble", str(out), "--device", "cuda", "--budget", "420", "--elapsed", "100"]) == 1
+    s = json.loads((out / report_mod.REPORT).read_text())["summary"]
+    assert s["numerics"]["failed"] == 1 and any("loss/m2po [float32] loss" in p for p in s["problems"])

@@ -1,0 +1,554 @@
+"""The GPU check's numerics (scripts/gpu_check.sh, part "numerics"): results computed on the device, each compared with
+a reference under a tolerance stated per dtype; one JSON object with every comparison, its tolerance and pass/fail.
+
+1. **Policy losses and their gradients** (``recipe.registry``: ``m2po``, ``fipo``, ``vanilla`` = PPO clip) on one
+   fixed batch (16 rows x up to 64 tokens, rows of different lengths, NaN on padding, a few large log-ratios so
+   M2PO masks, PPO clips and FIPO drops a row), computed on the device against a **CPU float64 reference**: the
+   literal references of the unit tests (``tests/unit/m2po_reference.py``'s Algorithm 1 loop and loss,
+   ``tests/unit/fipo_reference.py``'s per-token loop; a per-token PPO-clip loop here), in Python floats, with their
+   gradient with respect to ``log_prob`` in closed form. The batch's values are chosen on a grid (log-probs on
+   multiples of 2^-10, log-ratios of 2^-12) so that ``log_prob - old_log_prob`` is exact in float32: the float32
+   run and the reference see the same log-ratios and the same discrete decisions (M2PO's mask, PPO's clip, FIPO's
+   drop), which are compared exactly (tolerance 0). ``bfloat16``: the same batch rounded to bf16 as the losses'
+   inputs (the reference takes the same rounded values): the losses widen their inputs before any arithmetic, so
+   the loss keeps the float32 tolerance, and the gradient, returned in bf16, one bf16 rounding more.
+2. **Chunked vs plain log-probs** (``stalerl.core.chunked_logprob``, as in tests/unit/test_chunked_logprob.py) at
+   SmolLM2-135M's head shape (hidden 576, vocab 49,152; CPU dry mode: hidden 64, vocab 4,096), values and gradients
+   (hidden states, weight), in float32 and under bf16 autocast, with the device's chunk and a small chunk (several
+   chunks and a remainder), and against a float64 reference computed on the same device.
+3. **One optimizer step of ``fsdp:d1`` against ``torch:d1``** (as tests/unit/test_fsdp.py does with two gloo ranks):
+   the tiny Qwen2 policy, one stale M2PO batch, SGD (the update is lr x the clipped gradient), in float32 and bf16;
+   FSDP2 sharded over a one-rank process group (NCCL on CUDA, gloo on CPU; the runtime's ``fsdp:d1`` runs the torch
+   engine, so the check shards explicitly to run FSDP2's code on the device). Deterministic algorithms are on.
+
+Tolerances (``u`` = float32 unit roundoff 2^-24, ``K`` = terms in a dot product, ``S`` = the sum of the terms'
+magnitudes, e.g. ``|h| @ |W|^T``); the numbers, with their derivation, are in :data:`TOLERANCES` and repeated in
+each entry's ``rule``:
+
+- losses, float32 and bf16 inputs: ``|loss - ref| <= 2e-5 * sum|per-token loss| / N`` (per-token exp/mul rounding
+  of a few ulp and a summation over N <= 1024 tokens: a tree sum errs by ~log2(N) u = 6e-7, a serial one by at most
+  N u = 6e-5 in the worst case, ~sqrt(N) u = 2e-6 typically);
+- gradients w.r.t. ``log_prob``, per element, relative to ``max(|g_ref|, 1e-6 max|g_ref|)``: float32 ``1e-5``
+  (-A r / N: 3-4 roundings, 2.4e-7); FIPO ``max(1e-5, 2 T u max_t sum_k gamma^(k-t) |d_k|)`` (its influence weight
+  exp(future KL) carries the float32 rounding of a discounted sum over up to T tokens); bf16: ``2^-8`` more (the
+  gradient comes back rounded to bf16, whose unit roundoff is 2^-8);
+- log-probs, per element, ``|a - b| <= bound + 1e-7``, with ``eps_t`` a bound on token t's logit error and
+  ``moved(eps)`` what it does to the gradients through the softmax (``|d(dL/dlogit_tv)| <= |go_t| / T p_tv 2 eps_t``,
+  then ``@ |W|`` for the hidden states, ``^T @ |h|`` for the weight):
+  float32 ``eps_t = 4 sqrt(K) u S_t`` (the probabilistic bound lambda sqrt(K) u S of a K-term sum, lambda = 4,
+  Higham & Mary 2019; TF32 would exceed it): chunked vs plain ``4 eps_t`` for the log-probs and
+  ``2 (4 sqrt(K') u S + moved(eps))`` for a gradient summed over K' terms; each against float64 ``2 eps_t`` and
+  ``4 sqrt(N) u S + moved(eps)`` for the weight gradient;
+  bf16 autocast, chunked vs plain: the unit test's ``2^-7 |logit|max / T`` and ``2^-7 S + moved(2^-7 |logit|max_t /
+  T)`` (one bf16 rounding, 2^-8, of a logit or a partial sum on either side); against float64 ``2 eps_t`` with
+  ``eps_t = 1.5 x 2^-7 S_t`` (bf16-rounded inputs and logit) and ``2^-6 S + moved(eps)`` for the weight gradient (the
+  unit test's ``4 U_BF16``);
+- ``fsdp:d1`` vs ``torch:d1``: ``||update_fsdp - update_torch|| / ||update_torch||`` (SGD: the relative difference of
+  the clipped gradients) <= 1e-5 in float32 (tests/unit/test_fsdp.py's UPDATE_TOL: the same operations, only the
+  order of float32 sums differs), <= 1e-4 in bf16 (the same bf16 GEMMs on the same inputs: FSDP's bf16 all-gather is
+  autocast's cast; 10x UPDATE_TOL for a kernel chosen by memory layout), and the loss and grad norm within 1e-5 /
+  1e-4 relative; the bf16 check is only meaningful if bf16 compute is far from fp32 compute on the same step, so that
+  distance is an entry too: it must be >= 10x the bf16 tolerance.
+
+    python scripts/gpu_check_numerics.py --device cuda|cpu --out JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+U32 = 2.0 ** -24
+U_BF16 = 2.0 ** -8  # bf16's unit roundoff (8 significand bits: one rounding errs by at most 2^-8 relative)
+
+TOLERANCES = {
+    "loss": {"float32": 2e-5, "bfloat16": 2e-5,
+             "rule": "|loss - ref| <= tol * sum|per-token loss| / N (inputs are widened before any arithmetic)"},
+    "grad": {"float32": 1e-5, "bfloat16": 1e-5 + U_BF16,
+             "rule": "max_i |g_i - ref_i| / max(|ref_i|, 1e-6 max|ref|) <= tol (bf16: the gradient is returned in "
+                     "bf16, one rounding, at most 2^-8 relative, more)"},
+    "decision": {"float32": 0, "bfloat16": 0,
+                 "rule": "masked / clipped / dropped counts equal the reference's (exact log-ratios on a grid)"},
+    "logprob_vs_plain": {"float32": "log-probs 4 eps_t, grads 2 (4 sqrt(K') u S + moved(eps_t)), "
+                                    "eps_t = 4 sqrt(K) u S_t",
+                         "bfloat16": "log-probs 2^-7 |logit|max / T, grads 2^-7 S + moved(2^-7 |logit|max_t / T)"},
+    "logprob_vs_fp64": {"float32": "log-probs 2 eps_t, grad weight 4 sqrt(N) u S + moved(eps_t)",
+                        "bfloat16": "log-probs 2 eps_t (eps_t = 1.5 x 2^-7 S_t), grad weight 2^-6 S + moved(eps_t)"},
+    "fsdp_update": {"float32": 1e-5, "bfloat16": 1e-4,
+                    "rule": "||update_fsdp - update_torch|| / ||update_torch|| (SGD: relative gradient difference)"},
+    "fsdp_scalars": {"float32": 1e-5, "bfloat16": 1e-4, "rule": "loss and grad norm, relative"},
+    "bf16_discriminates": {"bfloat16": 10.0,
+                           "rule": "||update_bf16 - update_fp32|| / ||update_fp32|| >= 10 x the bf16 tolerance"},
+}
+
+SIZES = {"cuda": dict(tokens=2048, hidden=576, vocab=49_152, small_chunk=300),
+         "cpu": dict(tokens=48, hidden=64, vocab=4_096, small_chunk=20)}
+
+
+def entry(check: str, dtype: str, quantity: str, error: float, tolerance: float, rule: str, *,
+          at_most: bool = True, **extra: Any) -> dict[str, Any]:
+    """One comparison: passed when ``error <= tolerance`` (``at_most=False``: ``error >= tolerance``)."""
+    error = float(error)
+    ok = math.isfinite(error) and (error <= tolerance if at_most else error >= tolerance)
+    return {"check": check, "dtype": dtype, "quantity": quantity, "error": error, "tolerance": float(tolerance),
+            "comparison": "<=" if at_most else ">=", "rule": rule, "passed": bool(ok), **extra}
+
+
+# ------------------------------------------------------------------------------------------------ 1. losses
+def fixed_batch():
+    """16 rows x 64 tokens on float32-exact grids; NaN on padding; row-constant advantages (as GRPO's)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    rows, width = 16, 64
+    lengths = torch.randint(8, width + 1, (rows,), generator=g)
+    lengths[0] = width
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    lp = -torch.round((0.01 + 5.0 * torch.rand(rows, width, generator=g)) * 2**10) / 2**10
+    d = torch.round((0.25 * torch.randn(rows, width, generator=g)).clamp(-1.5, 1.5) * 2**12) / 2**12
+    # large log-ratios: row 3 has two above ln 10 with A < 0 (FIPO drops it), row 5 one (kept, dual-clipped)
+    d[3, 5], d[3, 9], d[5, 2], d[7, 1], d[8, 4] = 2.5, 2.75, 2.625, -2.0, 3.0
+    old = lp - d  # exact: both on the 2^-12 grid, below 16 in magnitude
+    adv = torch.round(torch.randn(rows, 1, generator=g) * 2**8) / 2**8
+    adv[adv == 0] = 0.5
+    adv[3], adv[5] = -1.0, -0.75
+    adv = adv.expand(rows, width).clone()
+    lp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
+    old = torch.where(mask, old, torch.full_like(old, float("nan")))
+    return lp, old, adv, mask
+
+
+def _refs_module(name: str):
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _clamp(x: float, bound: float = 20.0) -> float:
+    return max(-bound, min(bound, x))
+
+
+def reference_m2po(lp, old, adv, mask, tau: float) -> dict[str, Any]:
+    """Algorithm 1's literal loop (tests/unit/m2po_reference.py) in Python floats; gradient -A r keep / N."""
+    ref = _refs_module("m2po_reference")
+    rows, width = mask.shape
+    valid = mask.tolist()
+    d = [[(float(lp[r, c]) - float(old[r, c])) if valid[r][c] else 0.0 for c in range(width)] for r in range(rows)]
+    a = adv.tolist()
+    sel = ref.reference_m2po(d, a, valid, tau)
+    keep = sel["keep"]
+    flat = lambda m: [x for row in m for x in row]  # noqa: E731
+    lpf = [float(x) if v else 0.0 for x, v in zip(flat(lp.double().tolist()), flat(valid))]
+    oldf = [float(x) if v else 0.0 for x, v in zip(flat(old.double().tolist()), flat(valid))]
+    loss = ref.reference_loss(lpf, oldf, flat(a), flat(keep), flat(valid))
+    n = max(1, sum(flat(valid)))
+    grad, terms = [], []
+    for r in range(rows):
+        grow = []
+        for c in range(width):
+            if valid[r][c] and keep[r][c]:
+                ratio = math.exp(_clamp(d[r][c]))
+                grow.append(-a[r][c] * ratio / n if abs(d[r][c]) <= 20 else 0.0)
+                terms.append(abs(a[r][c] * ratio))
+            else:
+                grow.append(0.0)
+        grad.append(grow)
+    return {"loss": loss, "grad": grad, "scale": math.fsum(terms) / n, "decision": sel["num_masked"],
+            "decision_name": "masked tokens"}
+
+
+def reference_vanilla(lp, old, adv, mask, eps: float = 0.2) -> dict[str, Any]:
+    """PPO clip, per token in Python floats: max(-A r, -A clip(r, 1 - eps, 1 + eps)), token mean."""
+    rows, width = mask.shape
+    valid, a = mask.tolist(), adv.tolist()
+    n = max(1, sum(sum(row) for row in valid))
+    total, terms, clipped, grad = [], [], 0, []
+    for r in range(rows):
+        grow = []
+        for c in range(width):
+            if not valid[r][c]:
+                grow.append(0.0)
+                continue
+            ratio = math.exp(_clamp(float(lp[r, c]) - float(old[r, c])))
+            unclipped = -a[r][c] * ratio
+            clip = -a[r][c] * min(max(ratio, 1 - eps), 1 + eps)
+            total.append(max(unclipped, clip))
+            terms.append(abs(max(unclipped, clip)))
+            is_clipped = clip > unclipped
+            clipped += is_clipped
+            grow.append(0.0 if is_clipped else -a[r][c] * ratio / n)
+        grad.append(grow)
+    return {"loss": math.fsum(total) / n, "grad": grad, "scale": math.fsum(terms) / n, "decision": clipped,
+            "decision_name": "clipped tokens"}
+
+
+def reference_fipo(lp, old, adv, mask) -> dict[str, Any]:
+    """tests/unit/fipo_reference.py's loop (its defaults = the registry's with config {}); the gradient of its loss
+    in closed form: -A w r / count on kept rows' tokens where the unclipped branch is taken, 0 where clipped."""
+    import torch
+
+    ref = _refs_module("fipo_reference")
+    loss, weights, kept, _ = ref.fipo_loop(old.nan_to_num(0.0), lp.nan_to_num(0.0), adv, mask)
+    rows, width = mask.shape
+    valid = mask.tolist()
+    count = max(1, sum(sum(valid[r]) for r in range(rows) if kept[r]))
+    gamma = 2.0 ** (-1.0 / 32.0)
+    log_c = float(torch.tensor(math.log(10.0), dtype=torch.float32))
+    grad, terms, scan_scale = [], [], 0.0
+    for r in range(rows):
+        d = [_clamp(float(lp[r, c]) - float(old[r, c])) if valid[r][c] else 0.0 for c in range(width)]
+        for t in range(width):  # the magnitude the future-KL scan sums, for its float32 rounding bound
+            scan_scale = max(scan_scale, math.fsum(gamma ** (k - t) * abs(d[k]) for k in range(t, width)
+                                                   if valid[r][k] and d[k] <= log_c))
+        grow = []
+        for c in range(width):
+            if not (valid[r][c] and kept[r]):
+                grow.append(0.0)
+                continue
+            ratio = math.exp(d[c])
+            ah = float(adv[r, c]) * weights[r][c]
+            unclipped, clip = -ah * ratio, -ah * min(max(ratio, 0.8), 1.2)
+            lc = max(unclipped, clip)
+            dual = ah < 0 and -ah * 10.0 < lc
+            terms.append(abs(min(lc, -ah * 10.0) if ah < 0 else lc))
+            grow.append(0.0 if (clip > unclipped or dual) else -ah * ratio / count)
+        grad.append(grow)
+    return {"loss": loss, "grad": grad, "scale": math.fsum(terms) / count, "decision": kept.count(False),
+            "decision_name": "dropped rows", "scan_scale": scan_scale}
+
+
+def _decision_from_metrics(name: str, metrics: dict[str, float], mask) -> float:
+    n_valid = float(mask.sum())
+    if name == "m2po":
+        return metrics["m2po/num_masked_tokens"]
+    if name == "vanilla":
+        return round(metrics["vanilla/clip_fraction"] * n_valid)
+    return round(metrics["fipo/sequence_drop_ratio"] * mask.shape[0])
+
+
+def loss_checks(device: str) -> list[dict[str, Any]]:
+    import torch
+
+    from recipe.registry import get_policy_loss_fn
+
+    lp32, old32, adv, mask = fixed_batch()
+    config = {"m2_threshold": 0.04, "clip_ratio": 0.2}
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        tdtype = getattr(torch, dtype)
+        lp_in, old_in = lp32.to(tdtype), old32.to(tdtype)  # what the device gets; the reference takes the same values
+        lp_ref, old_ref = lp_in.double(), old_in.double()
+        refs = {"m2po": reference_m2po(lp_ref, old_ref, adv, mask, config["m2_threshold"]),
+                "vanilla": reference_vanilla(lp_ref, old_ref, adv, mask, config["clip_ratio"]),
+                "fipo": reference_fipo(lp_ref, old_ref, adv, mask)}
+        for name, ref in refs.items():
+            fn = get_policy_loss_fn(name)
+            lp_dev = lp_in.detach().clone().to(device).requires_grad_()
+            loss, metrics = fn(old_log_prob=old_in.to(device), log_prob=lp_dev, advantages=adv.to(device),
+                               response_mask=mask.to(device), loss_agg_mode="token-mean",
+                               config={} if name == "fipo" else config)
+            loss.backward()
+            got_grad = torch.nan_to_num(lp_dev.grad.detach().double().cpu(), nan=math.inf)
+            ref_grad = torch.tensor(ref["grad"], dtype=torch.float64)
+            floor = 1e-6 * float(ref_grad.abs().max())
+            grad_err = float(((got_grad - ref_grad).abs() / ref_grad.abs().clamp(min=floor)).max())
+            loss_err = abs(float(loss.detach().double().cpu()) - ref["loss"]) / max(ref["scale"], 1e-30)
+            grad_tol = TOLERANCES["grad"][dtype]
+            grad_rule = TOLERANCES["grad"]["rule"]
+            if name == "fipo":  # the influence weight's float32 scan over up to T tokens
+                scan = 2 * mask.shape[1] * U32 * ref["scan_scale"]
+                grad_tol = max(grad_tol, scan + (U_BF16 if dtype == "bfloat16" else 0.0))
+                grad_rule += (f"; FIPO: max(1e-5, 2 T u max_t sum_k gamma^(k-t) |d_k|) = {scan:.3g} for T = "
+                              f"{mask.shape[1]} (float32 rounding of the future-KL scan in exp(future KL))")
+            what = f"{name} on the device vs the CPU float64 reference"
+            out.append(entry(f"loss/{name}", dtype, "loss", loss_err, TOLERANCES["loss"][dtype],
+                             TOLERANCES["loss"]["rule"], value=float(loss.detach()), reference=ref["loss"],
+                             what=what))
+            out.append(entry(f"loss/{name}", dtype, "grad log_prob", grad_err, grad_tol, grad_rule, what=what,
+                             grad_max_abs=float(ref_grad.abs().max())))
+            got = _decision_from_metrics(name, metrics, mask)
+            out.append(entry(f"loss/{name}", dtype, ref["decision_name"], abs(got - ref["decision"]), 0,
+                             TOLERANCES["decision"]["rule"], value=got, reference=ref["decision"], what=what))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 2. log-probs
+def logprob_checks(device: str) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from stalerl.core.chunked_logprob import chunked_token_logprobs, default_chunk_tokens
+
+    size = SIZES[device]
+    dev = torch.device(device)
+    n, k, v, temp = size["tokens"], size["hidden"], size["vocab"], 0.7
+    g = torch.Generator().manual_seed(7)
+    h0 = torch.randn(n, k, generator=g)
+    w0 = torch.randn(v, k, generator=g) * 0.05
+    ids = torch.randint(0, v, (n,), generator=g)
+    go = torch.randn(n, generator=g)  # the upstream gradient of the log-probs
+    h0, w0, ids, go = h0.to(dev), w0.to(dev), ids.to(dev), go.to(dev)
+
+    def plain(h, w):  # the literal computation: whole logits, float32 (float64 for the reference) log-softmax
+        x = F.linear(h, w)
+        x = x if x.dtype == torch.float64 else x.float()
+        return torch.log_softmax(x / temp, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+    def run(fn, dtype: str, h_in=None, w_in=None):
+        h = (h0 if h_in is None else h_in).clone().requires_grad_()
+        w = (w0 if w_in is None else w_in).clone().requires_grad_()
+        ctx = (torch.autocast(dev.type, dtype=torch.bfloat16) if dtype == "bfloat16"
+               else torch.autocast(dev.type, enabled=False))
+        with ctx:
+            lp = fn(h, w)
+        (lp * go.to(lp.dtype)).sum().backward()
+        return lp.detach().double(), h.grad.double(), w.grad.double()
+
+    ref = run(plain, "float32", h0.double(), w0.double())  # float64 on the device
+    # Error scales, in float64: S of each token's logits (sum of |h_k w_vk|, max over the vocabulary, / T), of each
+    # gradient element (|dL/dlogits| @ |W|, |dL/dlogits|^T @ |h|), and how a per-token logit error eps_t moves the
+    # gradient of the logits: |d(dL/dlogit_tv)| <= |go_t| / T * p_tv * 2 eps_t (the logit and the log-sum-exp).
+    hd, wd = h0.double(), w0.double()
+    logits = F.linear(hd, wd) / temp
+    s_lp = (hd.abs() @ wd.abs().t()).amax(dim=1) / temp
+    l_max = logits.abs().amax(dim=1)
+    probs = torch.softmax(logits, dim=-1)
+    gx = -probs * (go.double() / temp).unsqueeze(1)
+    gx[torch.arange(n, device=dev), ids] += go.double() / temp
+    s_gh, s_gw = gx.abs() @ wd.abs(), gx.abs().t() @ hd.abs()
+    spread = probs * (2 * go.double().abs() / temp).unsqueeze(1)
+    spread_w = spread @ wd.abs()
+    del logits, gx
+
+    def moved(eps):  # bounds on the gradients (hidden, weight) from per-token logit errors eps (N,)
+        return eps.unsqueeze(1) * spread_w, spread.t() @ (eps.unsqueeze(1) * hd.abs())
+
+    lam = 4.0  # the probabilistic bound lambda sqrt(K) u S of a K-term float32 sum (Higham & Mary, 2019)
+    eps32 = lam * math.sqrt(k) * U32 * s_lp  # one float32 logit against the exact one
+    m32 = moved(eps32)
+    eps16 = 2 * U_BF16 * l_max  # one bf16 ulp of the logit: two bf16 roundings of nearly the same float32 value
+    m16 = moved(eps16)
+    eps16_exact = 1.5 * 2 * U_BF16 * s_lp  # bf16-rounded h and W (2^-8 each) and the rounded logit (2^-8 |logit|)
+    m16_exact = moved(eps16_exact)
+    acc = {name: lam * math.sqrt(terms) * U32 for name, terms in (("h", v), ("w", n))}
+    vs_plain = {  # chunked against plain: both sides' errors
+        "float32": ([4 * eps32, 2 * (acc["h"] * s_gh + m32[0]),
+                     2 * (acc["w"] * s_gw + m32[1])],
+                    "log-probs 4 eps_t; grads 2 (4 sqrt(K') u S + moved(eps_t)), eps_t = 4 sqrt(K) u S_t (one "
+                    "float32 logit), K' the gradient's sum length"),
+        "bfloat16": ([torch.full_like(l_max, 2 * U_BF16 * float(l_max.max())), 2 * U_BF16 * s_gh + m16[0],
+                      2 * U_BF16 * s_gw + m16[1]],
+                     "log-probs 2^-7 |logit|max / T (the unit test's); grads 2^-7 S + moved(2^-7 |logit|max_t / T) "
+                     "(one bf16 rounding of a partial sum on either side; one bf16 ulp of a logit)")}
+    vs_fp64 = {
+        "float32": ([2 * eps32, acc["w"] * s_gw + m32[1]],
+                    "log-probs 2 eps_t (the logit and the log-sum-exp), grad weight 4 sqrt(N) u S + moved(eps_t)"),
+        "bfloat16": ([2 * eps16_exact, 2 * 2 * U_BF16 * s_gw + m16_exact[1]],
+                     "log-probs 2 eps_t with eps_t = 1.5 x 2^-7 S_t (bf16-rounded inputs and logit), grad weight "
+                     "2^-6 S (the unit test's 4 U_BF16) + moved(eps_t)")}
+    device_chunk = default_chunk_tokens(dev, v)
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        p = run(plain, dtype)
+        small = None
+        for label, chunk in ((f"device chunk {device_chunk}", None), (f"chunk {size['small_chunk']}",
+                                                                     size["small_chunk"])):
+            c = run(lambda h, w: chunked_token_logprobs(h, w, ids, temp, chunk), dtype)
+            small = c
+            bounds, rule = vs_plain[dtype]
+            for quantity, a, b, bound in zip(("log-probs", "grad hidden", "grad weight"), c, p, bounds):
+                ratio = float(((a - b).abs() / (bound + 1e-7)).max())
+                out.append(entry(f"logprob/chunked_vs_plain ({label})", dtype, quantity, ratio, 1.0,
+                                 f"max_i |chunked_i - plain_i| / (bound_i + 1e-7) <= 1; bound: {rule}",
+                                 max_abs_diff=float((a - b).abs().max()), tokens=n, hidden=k, vocab=v))
+        for name, got in (("chunked", small), ("plain", p)):
+            bounds, rule = vs_fp64[dtype]
+            for quantity, a, b, bound in zip(("log-probs", "grad weight"), (got[0], got[2]), (ref[0], ref[2]),
+                                             bounds):
+                ratio = float(((a - b).abs() / (bound + 1e-7)).max())
+                out.append(entry(f"logprob/{name}_vs_float64", dtype, quantity, ratio, 1.0,
+                                 f"max_i |x_i - float64_i| / (bound_i + 1e-7) <= 1; bound: {rule}",
+                                 max_abs_diff=float((a - b).abs().max())))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 3. fsdp:d1
+def _update_distance(a: dict, b: dict, start: dict) -> float:
+    num = sum(float(((a[n].double().cpu() - b[n].double().cpu()) ** 2).sum()) for n in start)
+    den = sum(float(((b[n].double().cpu() - start[n].double().cpu()) ** 2).sum()) for n in start)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def fsdp_checks(device: str) -> list[dict[str, Any]]:
+    import copy
+    import datetime
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from stalerl.config import NormConfig, load_config
+    from stalerl.core.model import PromptFormatter, load_policy
+    from stalerl.core.reward import gsm8k_reward
+    from stalerl.rollout.engine import HFRolloutEngine
+    from stalerl.training.actor import Actor, DataParallel
+    from stalerl.training.advantage import grpo_advantages
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model, tok = load_policy("tiny:qwen2", dtype="float32", device=device, seed=0)
+    torch.manual_seed(5)
+    behaviour = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in behaviour.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = HFRolloutEngine(behaviour, tok, PromptFormatter(tok).format, gsm8k_reward, device=dev)
+    questions = ["12+7=?", "3+45=?", "99+1=?", "8+8=?", "40+2=?", "5+5=?"]
+    batch = engine.generate(questions, ["19", "48", "100", "16", "42", "10"], n_samples=4, max_new_tokens=8)
+    batch.rewards = (torch.rand(batch.num_rows) > 0.5).float()
+    adv = grpo_advantages(batch.rewards, batch.group_ids, batch.response_mask, adv_norm=NormConfig())
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    overrides = ["actor.loss=m2po", "actor.m2_threshold=0.01", "actor.optimizer.type=sgd", "actor.optimizer.lr=1e-2",
+                 "actor.ppo_n_minibatches=1", "train_dataset.batch_size=6", "actor.optimizer.gradient_clipping=1.0",
+                 "actor.mb_spec.max_tokens_per_mb=256", f"actor.device={device}"]
+
+    def step(dtype: str, sharded: bool) -> tuple[dict, dict]:
+        cfg = load_config([*overrides, f"actor.dtype={dtype}"]).actor
+        m = copy.deepcopy(model)
+        m.load_state_dict(start)
+        if sharded:
+            actor = Actor(m, cfg, temperature=1.0, total_updates=4,
+                          dp=DataParallel(rank=0, size=1, group=dist.group.WORLD))
+            actor.shard(dtype)
+        else:
+            actor = Actor(m, cfg, temperature=1.0, total_updates=4)
+        metrics = actor.update(batch, adv)
+        return {k: v.detach().clone().cpu() for k, v in actor.full_model_state().items()}, metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    out = []
+    try:
+        plain = {}
+        for dtype in ("float32", "bfloat16"):
+            w_torch, m_torch = step(dtype, sharded=False)
+            w_fsdp, m_fsdp = step(dtype, sharded=True)
+            plain[dtype] = w_torch
+            moved = _update_distance(w_torch, {k: v.cpu() for k, v in start.items()}, start)
+            what = f"one SGD step, fsdp:d1 (FSDP2 over 1 rank, {backend}) vs torch:d1, tiny Qwen2, M2PO batch"
+            out.append(entry("fsdp_d1_vs_torch_d1", dtype, "relative update difference",
+                             _update_distance(w_fsdp, w_torch, start), TOLERANCES["fsdp_update"][dtype],
+                             TOLERANCES["fsdp_update"]["rule"], what=what, update_norm_ratio=moved))
+            for key in ("actor/loss", "actor/grad_norm"):
+                a, b = m_fsdp[key], m_torch[key]
+                out.append(entry("fsdp_d1_vs_torch_d1", dtype, key, abs(a - b) / max(abs(b), 1e-30),
+                                 TOLERANCES["fsdp_scalars"][dtype], TOLERANCES["fsdp_scalars"]["rule"], value=a,
+                                 reference=b, what=what))
+        distance = _update_distance(plain["bfloat16"], plain["float32"], start)
+        out.append(entry("fsdp_d1_vs_torch_d1", "bfloat16", "bf16 vs fp32 compute (the check can see bf16)",
+                         distance, TOLERANCES["bf16_discriminates"]["bfloat16"] * TOLERANCES["fsdp_update"]["bfloat16"],
+                         TOLERANCES["bf16_discriminates"]["rule"], at_most=False))
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def run_all(device: str, parts: tuple[str, ...] = ("losses", "logprobs", "fsdp")) -> dict[str, Any]:
+    import torch
+
+    # The process-wide settings below are put back at the end (the unit tests call this in their own process).
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.manual_seed(0)
+    if device == "cpu":
+        torch.set_num_threads(1)  # tiny sizes: more threads only contend on a shared machine
+    # Deterministic kernels (cuBLAS needs its workspace setting before the first GEMM): a comparison then differs
+    # only by what the two computations do differently, not by run-to-run atomics.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the defaults, stated: float32 means float32 here
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _run_parts(device, parts)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+
+
+def _run_parts(device: str, parts: tuple[str, ...]) -> dict[str, Any]:
+    import torch
+
+    funcs: dict[str, Callable[[str], list]] = {"losses": loss_checks, "logprobs": logprob_checks,
+                                               "fsdp": fsdp_checks}
+    result: dict[str, Any] = {"device": device, "entries": [], "errors": [], "seconds": {},
+                              "tolerances": TOLERANCES}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    for part in parts:
+        start = time.perf_counter()
+        try:
+            result["entries"] += funcs[part](device)
+        except Exception as exc:  # noqa: BLE001 - named in the report, which then fails
+            result["errors"].append({"part": part, "why": f"{type(exc).__name__}: {exc}",
+                                     "tail": traceback.format_exc()[-2000:]})
+        result["seconds"][part] = time.perf_counter() - start
+        if device == "cuda":
+            torch.cuda.synchronize()
+    failed = [e for e in result["entries"] if not e["passed"]]
+    result["summary"] = {"checks": len(result["entries"]), "passed": len(result["entries"]) - len(failed),
+                         "failed": [f"{e['check']} [{e['dtype']}] {e['quantity']}: {e['error']:.3g} "
+                                    f"(tolerance {e['comparison']} {e['tolerance']:.3g})" for e in failed],
+                         "errors": [f"{e['part']}: {e['why']}" for e in result["errors"]]}
+    result["ok"] = not failed and not result["errors"]
+    return result
+
+
+def format_numerics(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for e in result.get("entries", []):
+        lines.append(f"  {'ok  ' if e['passed'] else 'FAIL'} {e['check']} [{e['dtype']}] {e['quantity']}: "
+                     f"{e['error']:.3g} {e['comparison']} {e['tolerance']:.3g}")
+    for e in result.get("errors", []):
+        lines.append(f"  FAIL {e['part']}: {e['why']}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="losses,logprobs,fsdp")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    result = run_all(args.device, tuple(p for p in args.parts.split(",") if p))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    s = result["summary"]
+    print(f"gpu_check numerics ({args.device}): {s['passed']}/{s['checks']} within tolerance"
+          + (f", {len(s['errors'])} part(s) crashed" if s["errors"] else ""))
+    print("\n".join(format_numerics(result)))
+    print("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result["seconds"].items()))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
