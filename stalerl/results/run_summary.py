@@ -392,8 +392,12 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
             curves[key] = downsample(pts)
     diag, diag_curves = diagnostics(train)
     curves.update(diag_curves)
+    chunked = [v for _, v in _series(train, "actor/chunked_logprobs")]
     return {
         "steps_done": int(train[-1]["step"]) if train else 0,
+        # 1: every update took log-probs through the chunked head; 0: the plain logits path (its reason is logged at
+        # start, stalerl.core.chunked_logprob.chunked_logprob_check); null: not recorded (older runs)
+        "chunked_logprobs": int(min(chunked)) if chunked else None,
         "eval": ev,
         "reward": reward,
         "grad_norm": {"mean": _mean(gn), "median": _round(statistics.median(gn)) if gn else None,

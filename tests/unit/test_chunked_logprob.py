@@ -204,6 +204,11 @@ def test_the_plain_path_fallback_is_logged_once_and_recorded_in_every_update(tmp
     said = [line for line in lines if "plain logits path" in line]
     assert len(said) == 1 and "a test's reason" in said[0]
     assert trainer.train_step()["actor/chunked_logprobs"] == 0.0
+    from stalerl.results.run_summary import summarize_metrics
+
+    rows = [{"step": 1, "actor/chunked_logprobs": 1.0}, {"step": 2, "actor/chunked_logprobs": 0.0}]
+    assert summarize_metrics(rows)["chunked_logprobs"] == 0  # the summary says so too
+    assert summarize_metrics(rows[:1])["chunked_logprobs"] == 1 and summarize_metrics([])["chunked_logprobs"] is None
 
 
 # ------------------------------------------------------------------------------------ chunk size by device, no sync
