@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -31,6 +32,7 @@ EXTRA_HELP = ("  --debug              show the traceback of a user error (config
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    as_program = argv is None  # the process's own command line: this process ends when main returns
     argv = sys.argv[1:] if argv is None else list(argv)
     # Python block-buffers stdout that is not a terminal: a log file or pipe would get the step lines in bursts and
     # after the progress lines on stderr. Whole lines as they happen keep such a log readable in order.
@@ -46,12 +48,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         if debug:
             raise
         print(f"stalerl: {stop}", file=sys.stderr, flush=True)
+        if as_program:
+            _ignore_late_stop_signals()
         return stop.exit_code
     except Exception as err:  # noqa: BLE001 - only user errors are caught; anything else is re-raised (a bug)
         if debug or not isinstance(err, _user_error_types()):
             raise
         print(f"stalerl: error: {one_line(err)}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+
+
+def _ignore_late_stop_signals() -> None:
+    """The run has stopped for a signal and said so: a repeat of it arriving later (a sweep passing on the Ctrl-C its
+    run also got from the terminal's process group, seconds later on a busy machine) must not interrupt the
+    interpreter's shutdown, where the default SIGINT handler would raise KeyboardInterrupt inside an exit handler and
+    print its traceback after the one line."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _user_error_types() -> tuple[type, ...]:

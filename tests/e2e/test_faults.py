@@ -342,7 +342,7 @@ def test_signal_to_a_local_sweep_stops_its_run_cleanly_and_starts_no_other(tmp_p
     s = _assert_interrupted(res, first, sig)  # the run's own line is the sweep's one line
     assert not second.exists()  # not started after the signal
     table = (runs / "sweep_summary.md").read_text()
-    assert f"interrupted ({name})" in table and "not run (interrupted)" in table
+    assert f"interrupted ({name})" in table and "not run (interrupted)" in table, table
     leftover = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
     assert not leftover, leftover
     # the same sweep command again: the interrupted run resumes from its final checkpoint, the other one runs
