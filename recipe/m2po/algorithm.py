@@ -29,6 +29,8 @@ Diagnostics by quadrant (not part of the selection, never read by the loss). The
 masked there and their share of the trust region's gradient weight, sum_{masked, quadrant} |A r| / sum_T |A r|, with
 r the loss's own exp(clamp(d, +-20)). They come from one no-grad pass over tensors the caller already has (the
 loss reuses its ratio); ``select_m2po`` alone does not pay for it (its result reports the selection's keys only).
+The same pass counts the tokens PPO's clip at eps 0.2 would have zeroed (``m2po/would_clip_fraction``, over the
+valid tokens, as ``m2po/masked_fraction``): the paper's masked-vs-clipped comparison on identical tokens.
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
 QUADRANT_METRIC_KEYS = (
     *(f"m2po/num_masked_{q}" for q in QUADRANTS),
     *(f"m2po/masked_weight_share_{q}" for q in QUADRANTS),
+    "m2po/would_clip_fraction",
 )
+# The paper's comparison on the same tokens: the share of valid tokens that PPO's clip at its default epsilon would
+# have zeroed (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps), beside the share M2PO masked. Diagnostic only.
+WOULD_CLIP_EPS = 0.2
 # What the loss (and the batch selector's selection) reports on every call.
 METRIC_KEYS = (*SELECTION_METRIC_KEYS, *QUADRANT_METRIC_KEYS)
 
@@ -81,6 +87,8 @@ class QuadrantWeights:
     num_masked: tuple[int, int]  # (pos_r_gt_1, neg_r_lt_1)
     masked_weight: tuple[float, float]  # sum |A r| of the masked tokens of each quadrant
     trust_region_weight: float  # sum |A r| over all of T (masked or kept)
+    # tokens of T that PPO's clip at WOULD_CLIP_EPS would zero (A > 0, r > 1 + eps; A < 0, r < 1 - eps), summed
+    num_would_clip: int = 0
 
     def metrics(self, prefix: str = "m2po", noun: str = "masked") -> dict[str, float]:
         total = self.trust_region_weight
@@ -110,16 +118,19 @@ def quadrant_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, trust_re
     gone = t & removed.bool()
     pos = gone & (advantages.detach() > 0)
     neg = gone & ~pos  # inside T, A != 0: the other quadrant
+    r = ratio.detach().float()
+    a = advantages.detach()
+    would_clip = t & (((a > 0) & (r > 1.0 + WOULD_CLIP_EPS)) | ((a < 0) & (r < 1.0 - WOULD_CLIP_EPS)))
     f64 = torch.float64
     stats = torch.stack([
         w.sum(dtype=f64), torch.where(pos, w, zero).sum(dtype=f64), torch.where(neg, w, zero).sum(dtype=f64),
-        torch.count_nonzero(pos).to(f64), torch.count_nonzero(neg).to(f64),
+        torch.count_nonzero(pos).to(f64), torch.count_nonzero(neg).to(f64), torch.count_nonzero(would_clip).to(f64),
     ])
     if group is not None:
         torch.distributed.all_reduce(stats, group=group)
-    total, w_pos, w_neg, n_pos, n_neg = stats.tolist()
+    total, w_pos, w_neg, n_pos, n_neg, n_clip = stats.tolist()
     return QuadrantWeights(num_masked=(int(n_pos), int(n_neg)), masked_weight=(w_pos, w_neg),
-                           trust_region_weight=total)
+                           trust_region_weight=total, num_would_clip=int(n_clip))
 
 
 @dataclass
@@ -152,6 +163,7 @@ class M2POSelection:
         }
         if self.quadrants is not None:
             out.update(self.quadrants.metrics())
+            out["m2po/would_clip_fraction"] = self.quadrants.num_would_clip / valid
         return out
 
 

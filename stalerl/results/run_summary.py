@@ -72,7 +72,7 @@ CURVE_METRICS = ("reward/consumed", "reward/generated", "actor/grad_norm", "stal
 # downsampled curve keeps its spikes.
 DIAGNOSTIC_METRICS = ("actor/m2po/m2_before", "actor/m2po/m2_after", "actor/m2_all_tokens",
                       "actor/log_ratio_abs_max", "actor/ratio_max", "actor/vanilla/clip_fraction",
-                      "actor/m2po/masked_fraction", "rollout/entropy")
+                      "actor/m2po/masked_fraction", "actor/m2po/would_clip_fraction", "rollout/entropy")
 # Which tokens the trust region removes (issue 30): per quadrant (pos_r_gt_1: A > 0, r > 1; neg_r_lt_1: A < 0,
 # r < 1) the removed tokens and their share of the trust region's gradient weight |A r|, for M2PO's mask, clip's clip
 # and the authors' adaptive clip. Runs that predate these metrics simply have no such curves.

@@ -40,6 +40,7 @@ def literal_quadrants(lp, old, adv, mask, removed) -> dict[str, float]:
     """Token by token: T, |A r| with the loss's clamped ratio, removed tokens per quadrant and their weight."""
     total, w = 0.0, {"pos_r_gt_1": 0.0, "neg_r_lt_1": 0.0}
     n = {"pos_r_gt_1": 0, "neg_r_lt_1": 0}
+    would_clip = 0  # tokens of T that PPO's clip at eps 0.2 would zero: A > 0, r > 1.2 or A < 0, r < 0.8
     for i in range(mask.shape[0]):
         for j in range(mask.shape[1]):
             if not mask[i, j]:
@@ -49,12 +50,14 @@ def literal_quadrants(lp, old, adv, mask, removed) -> dict[str, float]:
             quadrant = "pos_r_gt_1" if (a > 0 and d > 0) else "neg_r_lt_1" if (a < 0 and d < 0) else None
             if quadrant is None:
                 continue
-            weight = abs(a) * math.exp(max(-20.0, min(20.0, d)))
+            r = math.exp(max(-20.0, min(20.0, d)))
+            weight = abs(a) * r
             total += weight
+            would_clip += (a > 0 and r > 1.2) or (a < 0 and r < 0.8)
             if removed[i][j]:
                 n[quadrant] += 1
                 w[quadrant] += weight
-    return {"total": total, **{f"n_{q}": n[q] for q in n}, **{f"share_{q}": (w[q] / total if total else 0.0)
+    return {"total": total, "n_would_clip": would_clip, **{f"n_{q}": n[q] for q in n}, **{f"share_{q}": (w[q] / total if total else 0.0)
                                                                for q in w}}
 
 
@@ -71,6 +74,19 @@ def test_m2po_quadrants_match_a_literal_loop(seed):
     for q in ("pos_r_gt_1", "neg_r_lt_1"):
         assert m[f"m2po/masked_weight_share_{q}"] == pytest.approx(ref[f"share_{q}"], rel=1e-5, abs=1e-9)
     assert m["m2po/num_masked_tokens"] > 0  # the data exercise the mask
+    assert ref["n_would_clip"] > 0
+    assert m["m2po/would_clip_fraction"] == pytest.approx(ref["n_would_clip"] / int(mask.sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_m2pos_would_clip_fraction_is_what_clip_clips_on_the_same_tokens(seed):
+    # The paper's masked-vs-clipped comparison on identical tokens: the tokens M2PO counts as "clip would zero these"
+    # are exactly those the vanilla loss (PPO clip at its default eps 0.2) clips.
+    lp, old, adv, mask = _batch(seed)
+    _, m = compute_policy_loss_m2po(old, lp, adv, mask, config={"m2_threshold": 0.04})
+    _, v = compute_policy_loss_vanilla(old, lp, adv, mask)
+    assert v["vanilla/clip_fraction"] > 0
+    assert m["m2po/would_clip_fraction"] == pytest.approx(v["vanilla/clip_fraction"], rel=1e-6)
 
 
 def test_m2po_quadrants_on_a_hand_made_case():
