@@ -4,7 +4,7 @@ batches: what rollout correction and M2PO's tau act on when behaviour log-probs 
     python bench/engine_mismatch.py [--model smollm2-135m-instruct|DIR] [--dtypes float32,bfloat16]
                                     [--engines hf,vllm] [--batches 2] [--threads 2] [key=value ...]
 
-For each (engine, dtype): the config's training batches (examples/math/smollm2_add_m2po_cpu.yaml by default: 8
+For each (engine, dtype; vLLM's copy in that dtype too): the config's training batches (examples/math/smollm2_add_m2po_cpu.yaml by default: 8
 prompts x 8 samples, T 0.7, 16 new tokens) generated at the initial weights, then the trainer's no-grad forward of
 the same tokens at the same weights (stalerl.training.mismatch.engine_mismatch): d = trainer - engine log-prob per
 valid token; printed: tokens, mean d, mean |d|, p99 |d|, max |d|, the share with |d| > 0.1, and M2 = mean d^2 (the
@@ -37,7 +37,10 @@ def measure(config: str, model: str, engine: str, dtype: str, batches: int, thre
     cfg = load_config(["--config", config, f"actor.path={model}", f"actor.dtype={dtype}", f"torch_threads={threads}",
                        f"rollout.backend={engine}:d1", f"cluster.fileroot={work}", "rollout.fixed_staleness=0",
                        "recover.mode=disabled", "stats_logger.mismatch_freq_steps=null",
-                       "stats_logger.tensorboard=false", *overrides])
+                       "stats_logger.tensorboard=false",
+                       # vLLM's own copy in the same dtype as the trainer (its CPU default is float32 whatever
+                       # actor.dtype says), so a row is one dtype end to end
+                       *([f"rollout.vllm.dtype={dtype}"] if engine == "vllm" else []), *overrides])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     trainer.warm_start_done = True
     trainer_logps, engine_logps, masks = [], [], []
