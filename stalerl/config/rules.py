@@ -147,6 +147,12 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
                     f"got 'async' with rollout.fixed_staleness={ro.fixed_staleness}; the fixed-staleness FIFO runs "
                     "in the synchronous loop. Fix: set rollout.mode=sync (or auto), or use "
                     "rollout.max_head_offpolicyness for asynchronous staleness."))
+    rc = cfg.rollout_correction
+    if rc.mode != "none" and actor.behavior_logp != "recompute":
+        out.append(("rollout_correction.mode",
+                    f"got {rc.mode!r} with actor.behavior_logp={actor.behavior_logp!r}; rollout correction weighs the "
+                    "trainer's recomputed log-probs against the engine's, so it needs both. Fix: set "
+                    "actor.behavior_logp=recompute (or rollout_correction.mode=none)."))
     n_mb = actor.ppo_n_minibatches
     for key, size in (("train_dataset.batch_size", cfg.train_dataset.batch_size),
                       ("rollout.consumer_batch_size", ro.consumer_batch_size)):

@@ -1,6 +1,7 @@
 """The schema: the typed config dataclasses (every field with its help), ``ExperimentConfig`` and ``schema_keys``."""
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
@@ -495,6 +496,31 @@ class WarmStartConfig(_Section):
 
 
 @dataclass
+class RolloutCorrectionConfig(_Section):
+    """Rollout correction (recipe/rollout_correction.py): a step before the policy loss, for every loss, that weighs
+    or drops tokens by rho = exp(trainer log-prob - engine log-prob) at the generating weights (the engine and the
+    trainer never agree exactly: bf16 kernels, vLLM). Needs both log-probs, so actor.behavior_logp=recompute."""
+
+    # The names are recipe.rollout_correction.MODES (kept literal here so loading a config never imports torch; a unit
+    # test holds the two equal).
+    mode: str = _f("none", choices=("none", "tis_token", "tis_seq", "rs_token", "rs_seq", "rs_geo", "icepop"),
+                   help="none; tis_token: w = min(rho, threshold) per token; tis_seq: min(row rho, threshold) on the "
+                        "row (row rho = exp(sum log rho)); rs_token: drop tokens with rho outside [low, high]; "
+                        "rs_seq: drop rows whose row rho is outside [low, high]; rs_geo: the same on the row's "
+                        "geometric mean; icepop: keep tokens with rho in [low, high], weighted by rho. Dropped tokens "
+                        "leave the loss mask and its denominator.")
+    threshold: float = _f(2.0, gt=0.0, help="tis_token / tis_seq: the truncation of the importance weight.")
+    low: float = _f(0.5, ge=0.0, help="rs_* / icepop: the lowest rho kept.")
+    high: float = _f(5.0, gt=0.0, help="rs_* / icepop: the highest rho kept.")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        if self.low < self.high and math.isfinite(self.high):
+            return []
+        return [("low", f"got low={self.low}, high={self.high}; expected low < high (finite). Fix: set "
+                        "rollout_correction.low=0.5 rollout_correction.high=5.0.")]
+
+
+@dataclass
 class ExperimentConfig(_Section):
     """An RL experiment: GRPO-style training with a stale-rollout-aware policy loss."""
 
@@ -524,6 +550,8 @@ class ExperimentConfig(_Section):
     recover: RecoverConfig = _f(factory=RecoverConfig, help="Checkpoint/resume.")
     stats_logger: StatsLoggerConfig = _f(factory=StatsLoggerConfig, help="Metrics output.")
     warm_start: WarmStartConfig = _f(factory=WarmStartConfig, help="Supervised warm start.")
+    rollout_correction: RolloutCorrectionConfig = _f(factory=RolloutCorrectionConfig,
+                                                     help="Engine-vs-trainer correction before the loss.")
 
     def __post_init__(self) -> None:
         if _DEFER_CHECKS.get():

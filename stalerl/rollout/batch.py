@@ -9,7 +9,7 @@ That keeps the response slice of the logits one contiguous block for the whole b
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -26,6 +26,9 @@ class RolloutBatch:
     group_ids: torch.Tensor  # (N,) int64: rows with the same id answer the same prompt (GRPO group)
     texts: list[str] = field(default_factory=list)  # decoded responses, for logging
     answers: list[str] = field(default_factory=list)  # reference final answers
+    # actor.behavior_logp=recompute: the engine's own sampling log-probs, kept beside the trainer's recompute (which
+    # becomes behavior_logp, what the loss uses); rollout correction weighs the two. None: behavior_logp is the engine's.
+    engine_logp: Optional[torch.Tensor] = None  # (N, R) float32
 
     @property
     def num_rows(self) -> int:
@@ -40,6 +43,13 @@ class RolloutBatch:
 
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    def set_trainer_logp(self, trainer_logp: torch.Tensor) -> None:
+        """behavior_logp=recompute, in one place for the synchronous loop and the rollout workers: the trainer's
+        log-probs at the generating weights become the behaviour log-probs, and the engine's are kept (engine_logp)."""
+        if self.engine_logp is None:
+            self.engine_logp = self.behavior_logp
+        self.behavior_logp = trainer_logp
 
     def head_versions(self) -> torch.Tensor:
         """Oldest version among each row's tokens (a row with no tokens gets its max, i.e. -1)."""
@@ -75,6 +85,7 @@ class RolloutBatch:
             response_ids=self.response_ids[:, :r_len], response_mask=self.response_mask[:, :r_len],
             behavior_logp=self.behavior_logp[:, :r_len], versions=self.versions[:, :r_len],
             rewards=self.rewards, group_ids=self.group_ids, texts=self.texts, answers=self.answers,
+            engine_logp=None if self.engine_logp is None else self.engine_logp[:, :r_len],
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -125,6 +136,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int, *, renumber_groups:
         group_ids=torch.cat(groups),
         texts=[t for b in batches for t in b.texts],
         answers=[a for b in batches for a in b.answers],
+        # kept only when every part has it (a mix of recomputed and engine-only batches cannot be corrected as one)
+        engine_logp=(torch.cat([_pad_to(b.engine_logp, r, 0.0, False) for b in batches])
+                     if all(b.engine_logp is not None for b in batches) else None),
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from recipe.registry import get_policy_loss_spec
+from recipe.rollout_correction import CorrectionParams, apply_correction
 from stalerl.core.chunked_logprob import chunked_logprob_check, default_chunk_elements, head_returns_token_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
@@ -170,10 +171,19 @@ def pack_micro_batches(prompt_len: list[int], resp_len: list[int], max_tokens: i
     return groups
 
 
+def correction_params(cfg: Any) -> CorrectionParams:
+    """The experiment config's rollout_correction section as the recipe's parameter object."""
+    rc = cfg.rollout_correction
+    return CorrectionParams(rc.mode, float(rc.threshold), float(rc.low), float(rc.high))
+
+
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
-                 dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None):
+                 dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None,
+                 correction: Optional[CorrectionParams] = None):
         self.model = model
+        # rollout_correction (recipe/rollout_correction.py): a step before the loss on every mini-batch; none = off
+        self.correction = correction or CorrectionParams()
         # Mixed precision: fp32 master parameters stepped by the optimizer, forward/backward under autocast.
         low = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
         if low:
@@ -340,7 +350,12 @@ class Actor:
     def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor) -> dict[str, float]:
         adv = adv[:, :mini.response_ids.shape[1]]
         micro = self.micro_batches(mini)
-        totals = self._all_reduce_sum(torch.tensor([float(mini.num_response_tokens), float(mini.num_rows)],
+        # Rollout correction, once over the mini-batch (per token or per row: the split cannot change it). Rejected
+        # tokens leave the loss mask (and the denominators counted from it); the forward still sees every token.
+        is_weights, loss_mask, correction_metrics = apply_correction(mini.behavior_logp, mini.engine_logp,
+                                                                     mini.response_mask, self.correction)
+        totals = self._all_reduce_sum(torch.tensor([float(loss_mask.sum()), float(loss_mask.any(dim=-1).sum())
+                                                    if self.correction.active else float(mini.num_rows)],
                                                    dtype=torch.float64))
         cfg = loss_config(self.cfg)
         cfg["global_batch_info"] = {"dp_size": self.dp.size, "batch_num_tokens": int(totals[0]),
@@ -352,7 +367,7 @@ class Actor:
             # mini-batch into micro-batches or ranks cannot change which tokens are masked.
             current = self.compute_logp(mini)
             across_ranks = self.dp.size > 1 and self.cfg.m2_scope == "dp_group"
-            selected = self.spec.batch_selector(mini.behavior_logp, current, adv, mini.response_mask, config=cfg,
+            selected = self.spec.batch_selector(mini.behavior_logp, current, adv, loss_mask, config=cfg,
                                                 group=self.dp.group if across_ranks else None)
             selection = selected.pop("selection", None)
             if selection is not None:
@@ -367,8 +382,8 @@ class Actor:
             # Split: the drops are decided on the whole mini-batch first (rows never span micro-batches, so this
             # decides what each micro-batch would) and batch_num_tokens counts the kept tokens of all ranks.
             current = self.compute_logp(mini)
-            keep = self.spec.row_selector(mini.behavior_logp, current, adv, mini.response_mask,
-                                          config=cfg)["row_keep_mask"].bool() & mini.response_mask
+            keep = self.spec.row_selector(mini.behavior_logp, current, adv, loss_mask,
+                                          config=cfg)["row_keep_mask"].bool() & loss_mask
             kept = self._all_reduce_sum(torch.tensor([float(keep.sum()), float(keep.any(dim=-1).sum())],
                                                      dtype=torch.float64))
             # token-mean divides by the kept tokens, the seq-mean modes by the kept rows (the loss's own counts)
@@ -385,20 +400,22 @@ class Actor:
             width = mb.response_ids.shape[1]
             lp = self._forward_logp(mb)
             kwargs = {k: v[rows, :width].to(self.device) for k, v in extra_full.items()}
+            mb_mask = loss_mask[rows, :width]
             loss, metrics = self.spec.fn(
                 old_log_prob=mb.behavior_logp.to(self.device), log_prob=lp, advantages=adv[rows, :width].to(self.device),
-                response_mask=mb.response_mask.to(self.device), loss_agg_mode=self.cfg.loss_agg_mode, config=cfg,
-                rollout_is_weights=None, **kwargs)
+                response_mask=mb_mask.to(self.device), loss_agg_mode=self.cfg.loss_agg_mode, config=cfg,
+                rollout_is_weights=None if is_weights is None else is_weights[rows, :width].to(self.device),
+                **kwargs)
             loss.backward()
             loss_sum += float(loss.detach())
-            metric_parts.append((float(mb.response_mask.sum()), {k: float(v) for k, v in metrics.items()}))
+            metric_parts.append((float(mb_mask.sum()), {k: float(v) for k, v in metrics.items()}))
             with torch.no_grad():
-                d = torch.where(mb.response_mask, lp.detach().cpu() - mb.behavior_logp, torch.zeros(()))
+                d = torch.where(mb_mask, lp.detach().cpu() - mb.behavior_logp, torch.zeros(()))
                 sq_sum += float((d * d).sum())
-                n_tokens += float(mb.response_mask.sum())
+                n_tokens += float(mb_mask.sum())
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
-                if bool(mb.response_mask.any()):
-                    max_log_ratio = max(max_log_ratio, float(d[mb.response_mask].max()))
+                if bool(mb_mask.any()):
+                    max_log_ratio = max(max_log_ratio, float(d[mb_mask].max()))
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
             fsdp.dummy_forward(self.model, self.device, self.compute_dtype).backward()
         if self.dp.size > 1:
@@ -420,6 +437,7 @@ class Actor:
         self.optimizer_seconds += time.perf_counter() - t_opt
         out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
         out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
+        out.update(correction_metrics)  # rollout_correction/* (none: no keys)
         out["actor/loss"] = loss_sum
         out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = lr_used

@@ -57,9 +57,14 @@ def test_bound_holds_when_rollouts_and_training_race(tmp_path):
     assert all(sum(r["staleness/hist"]) == 8 * 4 for r in rows)
 
 
-@pytest.mark.parametrize("behavior_logp", ["rollout", "recompute"])
-def test_eta_zero_equals_the_synchronous_loop(tmp_path, behavior_logp):
-    common = {"actor.behavior_logp": behavior_logp}
+@pytest.mark.parametrize("behavior_logp, correction", [("rollout", "none"), ("recompute", "none"),
+                                                        ("recompute", "tis_token")])
+def test_eta_zero_equals_the_synchronous_loop(tmp_path, behavior_logp, correction):
+    # tis_token: rollout correction from the rollout workers' recompute (async) and the loop's own (sync) alike
+    common = {"actor.behavior_logp": behavior_logp, "rollout_correction.mode": correction,
+              "rollout_correction.threshold": 1.0}
+    keys = KEYS + (() if correction == "none" else ("rollout_correction/weight_mean", "rollout_correction/kl_k3",
+                                                    "rollout_correction/rejected_fraction"))
     sync = _run(_cmd(tmp_path, "sync", **{"rollout.mode": "sync", **common}))
     asyn = _run(_cmd(tmp_path, "async", **{"rollout.mode": "async", "rollout.max_head_offpolicyness": 0, **common}))
     assert sync.returncode == 0, sync.stderr[-3000:]
@@ -68,9 +73,11 @@ def test_eta_zero_equals_the_synchronous_loop(tmp_path, behavior_logp):
     assert len(a) == len(b) == 7
     for ra, rb in zip(a[1:], b[1:]):
         assert rb["staleness/max"] == 0
-        for k in KEYS:
+        for k in keys:
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), (ra["step"], k)
     assert [r.get("eval/accuracy") for r in a] == [r.get("eval/accuracy") for r in b]
+    if correction != "none":  # min(rho, 1): the engine's and the trainer's log-probs both reached the actor
+        assert all(0.9 < r["rollout_correction/weight_mean"] <= 1.0 for r in a[1:])
 
 
 @pytest.mark.parametrize("n_mini", [1, 2])

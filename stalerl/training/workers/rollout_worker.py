@@ -142,7 +142,7 @@ class RolloutWorker:
                                      max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                      top_k=g.top_k, **seeds)
         if self.recompute is not None:
-            batch.behavior_logp = self.recompute.compute_logp(batch)
+            batch.set_trainer_logp(self.recompute.compute_logp(batch))  # the engine's stay in engine_logp
         out = []
         for i, (task_id, _, _) in enumerate(tasks):
             rows = (batch.group_ids == i).nonzero().squeeze(1).tolist()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalerl.training.actor import Actor, DataParallel
+from stalerl.training.actor import Actor, DataParallel, correction_params
 from stalerl.core.model import load_policy_from_config
 from stalerl.training.workers.rollout_worker import from_wire
 
@@ -49,7 +49,7 @@ class TrainWorker:
         group = init_group(rank, world_size, init_method, timeout_s)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
                            dp=DataParallel(rank=rank, size=world_size, group=group),
-                           loss_scale_factor=cfg.gconfig.max_new_tokens)
+                           loss_scale_factor=cfg.gconfig.max_new_tokens, correction=correction_params(cfg))
         print(f"train rank {rank}/{world_size} ready (pid {os.getpid()})", flush=True)
 
     def sync_parameters(self) -> None:
