@@ -149,6 +149,16 @@ DETAIL_COLUMNS = (
     ("clip fraction", "fractions.vanilla/clip_fraction"),
     ("wall s / run", "wall_s"),
 )
+# The paper's masked-vs-clipped comparison on identical tokens (issue 36 item 4): shown only in blocks whose runs
+# recorded M2PO's would-clip fraction (written since that metric exists), so every earlier block regenerates as it was.
+TRUST_REGION_COLUMNS = (
+    ("M2 before masking (mean)", "diagnostics.actor/m2po/m2_before.mean"),
+    ("M2 before masking (max)", "diagnostics.actor/m2po/m2_before.max"),
+    ("M2 after masking (mean)", "diagnostics.actor/m2po/m2_after.mean"),
+    ("m2po masked fraction", "fractions.m2po/masked_fraction"),
+    ("clip at 0.2 would zero (same tokens)", "fractions.m2po/would_clip_fraction"),
+    ("clip fraction (vanilla runs)", "fractions.vanilla/clip_fraction"),
+)
 # Blocks with pre-registered claims lead with the primary metrics (their paired comparisons are in the paired table).
 PREREG_COLUMNS = (
     ("eval acc (mean of last 3)", "eval.last3"),
@@ -161,6 +171,7 @@ PREREG_COLUMNS = (
 )
 CURVE_FIELDS = ("eval.last3", "eval.auc")  # from the eval curve: defined for diverged runs too
 DIGITS = {"staleness.mean": 2, "fractions.m2po/masked_fraction": 4, "fractions.vanilla/clip_fraction": 4,
+          "fractions.m2po/would_clip_fraction": 4, "diagnostics.actor/m2po/m2_after.mean": 4,
           "wall_s": 0}  # every other column: 3
 
 
@@ -322,6 +333,14 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
     rows = [[c.setting, c.method, c.value(DETAIL_COLUMNS[0][1]), c.staleness(),
              *(c.value(f) for _, f in DETAIL_COLUMNS[1:])] for c in cells]
     lines += _table(header, rows)
+    if any(_fraction_field(r, TRUST_REGION_COLUMNS[4][1]) is not None for c in cells for r in c.finished):
+        lines += ["", "What the trust region removed: M2 over M2PO's trust-region tokens before and after masking, the "
+                  "share of valid tokens M2PO masked, and on the same tokens the share PPO's clip at eps 0.2 would "
+                  "have zeroed (actor/m2po/would_clip_fraction; the vanilla rows' own clip fraction beside them):",
+                  ""]
+        header = ["setting", "method", *(h for h, _ in TRUST_REGION_COLUMNS)]
+        lines += _table(header, [[c.setting, c.method, *(c.value(f) for _, f in TRUST_REGION_COLUMNS)]
+                                 for c in cells])
     ws = [(c, w) for c, w in ((c, c.warm_start()) for c in cells) if w]
     if len(ws) > 1 and len({w for _, w in ws}) == 1:  # one cached warm start per seed, shared by every row
         ws_lines = [f"every row (one warm start per seed, shared by all methods and settings): {ws[0][1]}"]

@@ -780,3 +780,28 @@ def test_stalerl_study_compare_finds_a_re_run_identical_or_names_what_differs(tm
     (new / "vanilla-tau-fs64-seed2.json").unlink()
     assert study_main(["compare", str(old), str(new), "--rename", "vanilla-fs64=vanilla-tau-fs64"]) == 0
     assert study_main(["compare", str(old), str(new), "--rename", "nothing"]) == 2
+
+
+def test_the_masked_vs_clipped_table_appears_only_for_runs_that_recorded_it():
+    """Issue 36 item 4: M2PO's masked share beside the share clip would have zeroed on the same tokens, with M2 before
+    and after masking; blocks of runs written before actor/m2po/would_clip_fraction existed stay as they were."""
+    import copy
+    import json
+
+    from stalerl.results.report import group, render_markdown
+
+    committed = json.loads((REPO / "docs" / "algorithms" / "results" / "smollm2_add" /
+                            "m2po-fixed_staleness_4-seed1.json").read_text())
+    assert "m2po/would_clip_fraction" not in committed["fractions"]
+    before = render_markdown(group([committed]), study="smollm2_add")
+    assert "What the trust region removed" not in before
+    new = copy.deepcopy(committed)
+    new["fractions"]["m2po/would_clip_fraction"] = 0.0587109
+    new["diagnostics"]["actor/m2po/m2_after"] = {"max": 0.039906, "mean": 0.0308645}
+    text = render_markdown(group([new]), study="smollm2_add")
+    table = text.split("What the trust region removed", 1)[1]
+    row = next(line for line in table.splitlines() if line.startswith("| fixed_staleness 4 | m2po |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    m2_before = committed["diagnostics"]["actor/m2po/m2_before"]
+    assert cells[2:] == [f"{m2_before['mean']:.3f} (n=1)", f"{m2_before['max']:.3f} (n=1)", "0.0309 (n=1)",
+                         f"{committed['fractions']['m2po/masked_fraction']:.4f} (n=1)", "0.0587 (n=1)", "-"]
