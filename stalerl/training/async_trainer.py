@@ -40,7 +40,7 @@ from stalerl.training.trainer import Trainer
 from stalerl.training.workers.hosting import make_hosting, worker_resources
 from stalerl.training.workers.process import WorkerFailure, WorkerProcess, failure_exit_code
 from stalerl.training.workers.rollout_worker import from_wire, to_wire
-from stalerl.training.workers.train_worker import broadcast_parameters, init_group
+from stalerl.training.workers.train_worker import broadcast_parameters, init_group, master_store
 
 FAILURE_GRACE_S = 10.0
 # Test hook: with STALERL_TEST_SLOW_TRAINER=1 the trainer takes a batch only once the rollouts have filled the whole
@@ -152,13 +152,13 @@ class AsyncTrainer(Trainer):
         self.hosting.reserve("train", self.n_train - 1, res)  # rank 0 is this controller
         self._start_dispatcher()
         if self.n_train > 1:
-            init_method = f"tcp://{self.hosting.host_address()}:{free_port()}"
+            store, init_method = master_store(self.hosting.host_address(), self.n_train, timeout_s=300.0)
             for rank in range(1, self.n_train):
                 self.train_workers.append(self.hosting.spawn(
                     f"train/{rank}", "stalerl.training.workers.train_worker", "TrainWorker",
                     dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
                          total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}")))
-            group = init_group(0, self.n_train, init_method, timeout_s=300.0)
+            group = init_group(0, self.n_train, init_method, timeout_s=300.0, store=store)
             self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",

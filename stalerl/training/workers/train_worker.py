@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,26 @@ from stalerl.core.model import load_policy_from_config
 from stalerl.training.workers.rollout_worker import from_wire
 
 
-def init_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> Any:
+def master_store(host: str, world_size: int, timeout_s: float) -> tuple[Any, str]:
+    """Rank 0's rendezvous store, listening before any rank is told where: bound to a port the OS picks (port 0) and
+    held, so no other process can take it between choosing and binding (a free-port probe closed and re-bound later
+    raced with other runs: EADDRINUSE under load). Returns (store, the init_method the other ranks connect to)."""
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"tcp://{host}:{store.port}"
+
+
+def init_group(rank: int, world_size: int, init_method: Optional[str], timeout_s: float,
+               store: Optional[Any] = None) -> Any:
     # gloo for the CPU tensors (token counts, the M2PO selection's scalars), nccl for CUDA gradients.
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is not None:  # rank 0 with its held store (master_store)
+        # the prefix torch itself puts on a store made from an init_method, which the other ranks use
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     return dist.group.WORLD
 
 
