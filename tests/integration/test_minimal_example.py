@@ -154,11 +154,17 @@ def test_first_step_equals_the_runtime(runtime):
     torch.testing.assert_close(advantages, rt["trainer"].advantages(batch), rtol=0, atol=1e-6)
     # On-policy: the minimal d is exactly 0 (the same forward twice), the runtime's ~1e-7 (KV cache vs full
     # forward); neither is anywhere near tau, so neither masks.
-    assert stats["masked_fraction"] == metrics["actor/m2po/masked_fraction"] == 0.0
+    assert metrics["actor/m2po/masked_fraction"] == 0.0
+    _assert_same_step(stats, metrics, lr, model, rt["v1_params"], grads, rt["grads"][0])
+
+
+def _assert_same_step(stats, metrics, lr, model, runtime_params, grads, runtime_grads) -> None:
+    """The minimal step's masked share, learning rate, loss, grad norm, gradients and weights are the runtime's."""
+    assert stats["masked_fraction"] == metrics["actor/m2po/masked_fraction"]
     assert lr == metrics["actor/lr"]
     assert stats["loss"] == pytest.approx(metrics["actor/loss"], abs=1e-6)
     assert stats["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
-    _assert_same_update(model, rt["v1_params"], grads, rt["grads"][0], lr)
+    _assert_same_update(model, runtime_params, grads, runtime_grads, lr)
 
 
 def test_stale_step_where_m2po_masks_equals_the_runtime(runtime):
@@ -173,11 +179,7 @@ def test_stale_step_where_m2po_masks_equals_the_runtime(runtime):
     # The same tokens masked (their count, and the loss and gradients below, which depend on which ones). M2 before
     # and after are not compared: tokens whose probability is ~1 under both policies have d ~ 1e-7 of either sign,
     # so float noise decides whether they count in T's mean (they can never be masked: their d^2 is ~1e-14).
-    assert stats["masked_fraction"] == metrics["actor/m2po/masked_fraction"]
-    assert lr == metrics["actor/lr"]
-    assert stats["loss"] == pytest.approx(metrics["actor/loss"], abs=1e-6)
-    assert stats["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
-    _assert_same_update(model, rt["v2_params"], grads, rt["grads"][1], lr)
+    _assert_same_step(stats, metrics, lr, model, rt["v2_params"], grads, rt["grads"][1])
 
 
 def test_sample_keeps_the_first_eos_and_pads_after_it(runtime):
