@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.declaration import _MISSING, _get as _config_get, _lookup as _config_lookup
 from recipe.registry import LOSS_AGG_MODES  # noqa: E402 - defined torch-free there for config validation
 
 # The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp(), as verl does, with torch.clamp's gradient: a token with
@@ -18,45 +19,19 @@ from recipe.registry import LOSS_AGG_MODES  # noqa: E402 - defined torch-free th
 # passing the gradient straight through would give it a weight of |A| e^20 and let one token dominate the update.
 LOG_RATIO_CLAMP = 20.0
 
-_MISSING = object()
 
 
 def cfg_get(config: Any, key: str, default: Any = None) -> Any:
-    """``config.key`` or ``config[key]``; ``default`` when absent or None."""
-    if config is None:
-        return default
-    value = _MISSING
-    if isinstance(config, dict):
-        value = config.get(key, _MISSING)
-    else:
-        try:
-            value = getattr(config, key)
-        except (AttributeError, KeyError):
-            try:
-                getter = getattr(config, "get", None)
-            except (AttributeError, KeyError):  # a __getattr__ that raises KeyError for "get" too
-                getter = None
-            if callable(getter):
-                try:
-                    value = getter(key, _MISSING)
-                except Exception:  # noqa: BLE001 - strict configs may raise on unknown keys
-                    value = _MISSING
-    if value is _MISSING or value is None:
-        return default
-    return value
+    """``config.key`` or ``config[key]``; ``default`` when absent or None (recipe.declaration reads configs the same
+    way)."""
+    value = _config_get(config, key)
+    return default if value is _MISSING else value
 
 
 def cfg_lookup(config: Any, paths: tuple[str, ...], default: Any) -> tuple[Any, str]:
     """First present value among dotted ``paths`` (e.g. ``policy_loss.m2_threshold``); returns (value, path)."""
-    for path in paths:
-        node = config
-        for part in path.split("."):
-            node = cfg_get(node, part, _MISSING)
-            if node is _MISSING:
-                break
-        if node is not _MISSING:
-            return node, path
-    return default, paths[-1]
+    value, path = _config_lookup(config, paths)
+    return (default, paths[-1]) if value is _MISSING else (value, path)
 
 
 def read_float(config: Any, paths: tuple[str, ...], default: float, *, minimum: float = -math.inf,

@@ -10,9 +10,9 @@ all of its micro-batches are in that buffer. This module holds the pieces both a
 - :class:`StepWindow`: finds the step's micro-batches in the buffer at its first micro-batch, builds the step's plan
   once (the caller's ``make_plan``: M2PO's selection and the token count over the whole step and every rank), and
   checks at every later micro-batch that it is the one planned (a framework whose buffering changed fails loudly).
-- :class:`StepMetrics`: the one metrics policy of every adapter. ``m2po/*`` and ``fipo/*`` values are reduced over
-  all micro-batches and ranks of an optimizer step and logged once per step: counts are summed, fractions are the
-  summed numerator over the summed denominator, maxima the max, minima the min.
+- :class:`StepMetrics`: every loss's metrics over all micro-batches and ranks of an optimizer step, logged once per
+  step, reduced by :func:`recipe.declaration.reduce_metrics` with the loss's declared rules, plus the plan's
+  step-wide values.
 - :func:`check_sharding_backend`: the one refusal of DeepSpeed / FSDP (untested with the exact step).
 
 Torch only; the frameworks are not imported (the adapters pass their trainer's attributes in).
@@ -20,7 +20,6 @@ Torch only; the frameworks are not imported (the adapters pass their trainer's a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -104,107 +103,81 @@ def check_sharding_backend(where: str, loss: str, *, deepspeed: bool, fsdp: bool
 
 # ------------------------------------------------------------------------------------------------ metrics
 
-SUM, RATIO, MAX, MIN = "sum", "ratio", "max", "min"
-
-
 @dataclass
 class StepMetrics:
-    """Accumulates one optimizer step's loss metrics over its micro-batches; reduced over ranks at its end.
+    """One optimizer step's loss metrics, logged once per step: whatever keys the loss returns on each micro-batch,
+    reduced over the step's micro-batches and every rank by :func:`recipe.declaration.reduce_metrics` with the loss's
+    declared rules (the one reducer), plus the step-wide values of the step's plan (a batch selector's diagnostics,
+    a row selector's counts), which are already over the whole step and every rank.
 
-    ``add_sum(name, value)``: a count (summed). ``add_ratio(name, numerator, denominator)``: a fraction (summed
-    numerator / summed denominator). ``add_max`` / ``add_min``: extrema. ``add_constant``: a value that is the same
-    for the whole step (e.g. a step-wide selection's diagnostics, or a flag): taken from the first micro-batch.
-    :meth:`reduce` runs the collectives (every rank must call it at the same micro-batch) and returns the dict to log.
+    ``add(response_mask, metrics)`` per micro-batch (its ``valid_tokens`` and ``rows`` are the reducer's weights);
+    ``add_plan(plan)`` once per step; ``add_constant`` a value the same for the whole step (a flag).
+    :meth:`reduce` gathers the parts over ``group`` (every rank must call it at the same micro-batch).
     """
 
-    sums: dict[str, float] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-    maxima: dict[str, float] = field(default_factory=dict)
-    minima: dict[str, float] = field(default_factory=dict)
-    constants: dict[str, float] = field(default_factory=dict)
+    parts: list[tuple[dict[str, float], dict[str, float]]] = field(default_factory=list)
+    step: dict[str, float] = field(default_factory=dict)
 
-    def add_sum(self, name: str, value: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+    def add(self, response_mask: torch.Tensor, metrics: dict[str, Any]) -> None:
+        mask = response_mask.bool()
+        rows = float(mask.shape[0]) if mask.dim() > 1 else 1.0
+        self.parts.append(({"valid_tokens": float(mask.sum()), "rows": rows},
+                           {key: float(value) for key, value in metrics.items()}))
 
-    def add_ratio(self, name: str, numerator: float, denominator: float) -> None:
-        acc = self.ratios.setdefault(name, [0.0, 0.0])
-        acc[0] += float(numerator)
-        acc[1] += float(denominator)
-
-    def add_max(self, name: str, value: float) -> None:
-        self.maxima[name] = max(self.maxima.get(name, -math.inf), float(value))
-
-    def add_min(self, name: str, value: float) -> None:
-        self.minima[name] = min(self.minima.get(name, math.inf), float(value))
+    def add_plan(self, plan: Any) -> None:
+        self.step.update(plan_metrics(plan))
 
     def add_constant(self, name: str, value: float) -> None:
-        self.constants.setdefault(name, float(value))
+        self.step.setdefault(name, float(value))
 
-    def reduce(self, group: Optional[Any] = None, device: Any = "cpu") -> dict[str, float]:
-        """The step's metrics, over all ranks of ``group`` (None: this process only). Clears the accumulator."""
-        sum_keys, ratio_keys = sorted(self.sums), sorted(self.ratios)
-        max_keys, min_keys = sorted(self.maxima), sorted(self.minima)
-        summed = [self.sums[k] for k in sum_keys] + [v for k in ratio_keys for v in self.ratios[k]]
-        extrema = [self.maxima[k] for k in max_keys] + [-self.minima[k] for k in min_keys]
+    def reduce(self, rules: Any, group: Optional[Any] = None) -> dict[str, float]:
+        """The step's metrics over all ranks of ``group`` (None: this process only). Clears the accumulator."""
+        from recipe.declaration import reduce_metrics
+
+        parts = self.parts
         if group is not None:
-            dist = torch.distributed
-            if summed:
-                t = torch.tensor(summed, dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-                summed = t.tolist()
-            if extrema:
-                t = torch.tensor(extrema, dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-                extrema = t.tolist()
-        out: dict[str, float] = dict(self.constants)
-        out.update(zip(sum_keys, summed[:len(sum_keys)]))
-        pairs = summed[len(sum_keys):]
-        for i, key in enumerate(ratio_keys):
-            num, den = pairs[2 * i], pairs[2 * i + 1]
-            out[key] = num / den if den > 0 else 0.0
-        out.update(zip(max_keys, extrema[:len(max_keys)]))
-        out.update((k, -v) for k, v in zip(min_keys, extrema[len(max_keys):]))
-        self.sums, self.ratios, self.maxima, self.minima, self.constants = {}, {}, {}, {}, {}
+            gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, parts, group=group)
+            parts = [part for rank_parts in gathered for part in rank_parts]
+        out = reduce_metrics(parts, rules)
+        out.update(self.step)
+        self.parts, self.step = [], {}
         return out
 
 
-@torch.no_grad()
-def add_fipo_micro_batch(metrics: StepMetrics, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
-                         advantages: torch.Tensor, response_mask: torch.Tensor, config: Any) -> None:
-    """One FIPO micro-batch's share of the step's ``fipo/*`` metrics, as numerators and denominators.
-
-    The per-token quantities are recomputed without grad by the loss's own functions (``fipo_weights``, the PPO
-    surrogate), so the step's figures are exact sums over its tokens, not averages of per-micro-batch fractions:
-    ``fipo/influence_weights_mean_raw`` and the influence-weight clip ratios over valid tokens,
-    ``fipo/sequence_drop_ratio`` over rows, ``fipo/clip_fraction`` (PPO clip active) and
-    ``fipo/dual_clip_fraction`` (dual clip at c active) over the tokens that enter the loss (valid, not dropped),
-    and the counts ``fipo/num_valid_tokens``, ``fipo/num_dropped_sequences``.
-    """
-    from recipe.common import masked_log_ratio
-    from recipe.fipo.algorithm import METRIC_DENOMINATORS, fipo_metric_parts, fipo_params_from_config
-
-    params = fipo_params_from_config(config)
-    valid = response_mask.bool()
-    d = masked_log_ratio(old_log_prob.detach().float(), log_prob.detach().float(), valid)
-    parts = fipo_metric_parts(d, advantages, valid, params)
-    for key, numerator in parts.numerators.items():
-        metrics.add_ratio(key, numerator, parts.denominators[METRIC_DENOMINATORS[key]])
-    metrics.add_sum("fipo/num_valid_tokens", parts.denominators["valid_tokens"])
-    metrics.add_sum("fipo/num_dropped_sequences", parts.numerators["fipo/sequence_drop_ratio"])
-
-
-#: The ``fipo/*`` names :func:`add_fipo_micro_batch` logs (documented per framework).
-FIPO_STEP_METRICS = ("fipo/influence_weights_mean_raw", "fipo/influence_weight_clip_ratio_upper",
-                     "fipo/influence_weight_clip_ratio_lower", "fipo/sequence_drop_ratio", "fipo/clip_fraction",
-                     "fipo/dual_clip_fraction", "fipo/num_valid_tokens", "fipo/num_dropped_sequences")
-
-
-def add_plan_selection(metrics: StepMetrics, plan: Any) -> None:
-    """The step-wide selection's diagnostics (M2PO: ``m2po/*``, already over every micro-batch and rank)."""
+def plan_metrics(plan: Any) -> dict[str, float]:
+    """The step-wide values of an :class:`recipe.optimizer_batch.OptimizerBatchPlan` (already over every micro-batch
+    and rank): a batch selector's diagnostics (M2PO's ``m2po/*``) and a row selector's counts (FIPO's
+    ``fipo/sequence_drop_ratio``, ``num_valid_tokens``, ``num_kept_tokens``, ``num_dropped_rows``, the latter also
+    as ``num_dropped_sequences``, the adapters' name for it)."""
+    out: dict[str, float] = {}
     if getattr(plan, "selection", None) is not None:
-        for key, value in plan.selection.metrics().items():
-            metrics.add_constant(key, float(value))
+        out.update((key, float(value)) for key, value in plan.selection.metrics().items())
+    drops = getattr(plan, "row_drops", None)
+    if drops is not None:
+        out.update(drops.metrics())
+        out[f"{drops.loss_name}/num_dropped_sequences"] = float(drops.num_dropped_rows)
+    return out
 
 
-__all__ = ["FIPO_STEP_METRICS", "StepMetrics", "StepWindow", "add_fipo_micro_batch", "add_plan_selection",
-           "check_sharding_backend", "step_micro_batches"]
+def step_metric_keys(loss_name: str) -> tuple[str, ...]:
+    """The keys logged per optimizer step for loss ``loss_name``: its declared metrics, and a row selector's counts."""
+    from recipe.registry import get_declaration
+
+    declaration = get_declaration(loss_name)
+    keys = tuple(declaration.metrics)
+    if declaration.step == "row_selector":
+        keys += tuple(f"{loss_name}/{k}" for k in ("sequence_drop_ratio", "num_valid_tokens", "num_kept_tokens",
+                                                    "num_dropped_rows", "num_dropped_sequences")
+                      if f"{loss_name}/{k}" not in keys)
+    return keys
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FIPO_STEP_METRICS":  # the fipo/* names logged per step (documented per framework; tests)
+        return step_metric_keys("fipo")
+    raise AttributeError(f"module 'recipe.hf_step' has no attribute {name!r}")
+
+
+__all__ = ["StepMetrics", "StepWindow", "check_sharding_backend", "plan_metrics", "step_metric_keys",
+           "step_micro_batches"]

@@ -71,6 +71,8 @@ class OptimizerBatchPlan:
     extras: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per micro-batch: loss keyword tensors
     selection: Any = None  # the batch selector's diagnostics (M2PO: recipe.m2po.M2POSelection), if any
     row_drops: Optional["RowDrops"] = None  # a row selector's step-wide counts (FIPO's sequence drop), if any
+    # rows of the step with a counted token (after a row selector's drop), all ranks: the seq-mean modes' count
+    num_rows: Optional[int] = None
 
     def config_for(self, config: Any) -> dict[str, Any]:
         """``config`` (dict, dataclass, DictConfig or None) as a dict with the step's ``global_batch_info``."""
@@ -114,6 +116,16 @@ def with_global_batch_info(config: Any, *, num_tokens: int, dp_size: int = 1) ->
     return out
 
 
+def _rows_with_tokens(mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
+    """Rows (sequences, for packed tokens) with at least one counted token."""
+    if cu_seqlens is None:
+        return int(mask.reshape(mask.shape[0], -1).any(dim=-1).sum()) if mask.dim() > 1 else int(mask.any())
+    flat = mask.reshape(-1).long()
+    bounds = cu_seqlens.to(flat.device).long()
+    sums = torch.cat([flat.new_zeros(1), flat.cumsum(0)])[bounds.clamp(max=flat.numel())]
+    return int(((sums[1:] - sums[:-1]) > 0).sum())
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, -1)
 
@@ -132,7 +144,8 @@ def plan_optimizer_batch(loss_name: str, micro_batches: Sequence[MicroBatch], co
     row_selector = get_row_selector(loss_name)
     rows_selected = None
     if row_selector is None:
-        local = [sum(int(mb.response_mask.bool().sum()) for mb in micro_batches)]
+        local = [sum(int(mb.response_mask.bool().sum()) for mb in micro_batches),
+                 sum(_rows_with_tokens(mb.response_mask.bool(), mb.cu_seqlens) for mb in micro_batches)]
     else:  # per micro-batch, from its own rows; then one all-reduce of the counts with the token count
         rows_selected = [row_selector(mb.old_log_prob.detach(), mb.log_prob.detach(), mb.advantages.detach(),
                                       mb.response_mask, config=config, cu_seqlens=mb.cu_seqlens)
@@ -140,6 +153,7 @@ def plan_optimizer_batch(loss_name: str, micro_batches: Sequence[MicroBatch], co
         kept = [sel["row_keep_mask"].bool() & mb.response_mask.bool()
                 for sel, mb in zip(rows_selected, micro_batches)]
         local = [sum(int(k.sum()) for k in kept),
+                 sum(_rows_with_tokens(k, mb.cu_seqlens) for k, mb in zip(kept, micro_batches)),
                  sum(int(mb.response_mask.bool().sum()) for mb in micro_batches),
                  sum(int(sel["num_rows"]) for sel in rows_selected),
                  sum(int(sel["num_dropped_rows"]) for sel in rows_selected)]
@@ -150,12 +164,13 @@ def plan_optimizer_batch(loss_name: str, micro_batches: Sequence[MicroBatch], co
         count = torch.tensor(local, dtype=torch.int64, device=device)
         dist.all_reduce(count, group=group)
         local = [int(v) for v in count.tolist()]
-    plan = OptimizerBatchPlan(num_tokens=local[0], dp_size=dp_size, extras=[{} for _ in micro_batches])
+    plan = OptimizerBatchPlan(num_tokens=local[0], dp_size=dp_size, extras=[{} for _ in micro_batches],
+                              num_rows=local[1])
     if rows_selected is not None:
         for extras, k in zip(plan.extras, kept):
             extras["row_keep_mask"] = k
-        plan.row_drops = RowDrops(loss_name=loss_name, num_rows=local[2], num_dropped_rows=local[3],
-                                  num_valid_tokens=local[1], num_kept_tokens=local[0])
+        plan.row_drops = RowDrops(loss_name=loss_name, num_rows=local[3], num_dropped_rows=local[4],
+                                  num_valid_tokens=local[2], num_kept_tokens=local[0])
         return plan
 
     selector = get_batch_selector(loss_name)

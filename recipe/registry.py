@@ -20,24 +20,36 @@ micro-batch (``(B, T)`` rows, or packed tokens with their ``cu_seqlens``) return
 shape>, "num_rows": int, "num_dropped_rows": int}``; ``recipe.optimizer_batch.plan_optimizer_batch`` calls it per
 micro-batch, passes ``row_keep_mask`` back to the loss and counts only the kept tokens in the step's denominator.
 Either kind needs the step's current log-probs before the first micro-batch's loss: :func:`needs_step_log_probs`.
+
+Every loss carries a :class:`recipe.declaration.LossDeclaration` (its parameters, step needs and metric rules; one
+made from the registration when none is given). The built-in declarations are torch-free modules
+(:data:`BUILTIN_DECLARATIONS`), so a config is validated without importing torch; a loss from another package is
+found through the entry-point group ``recipe.losses`` (:func:`load_plugins`; docs/adding-a-loss.md).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from recipe.declaration import LossDeclaration
 
 PolicyLossFn = Callable[..., "tuple[Any, dict[str, float]]"]
 BatchSelector = Callable[..., "dict[str, Any]"]
 RowSelector = Callable[..., "dict[str, Any]"]
 
-# Modules that register the built-in losses. Imported lazily on first lookup so that
-# `import recipe.registry` stays import-cycle free (the recipes import this module).
-_BUILTIN_RECIPES = ("recipe.m2po", "recipe.baselines", "recipe.fipo", "recipe.m2po_authors")
-# The names those modules register, so a config can be validated without importing torch (a unit test keeps this in
-# step with what the modules really register).
-BUILTIN_POLICY_LOSSES = ("fipo", "m2po", "m2po_authors", "no_trust_region", "vanilla")
+# The built-in losses are found, not listed: every package ``recipe/<loss>/`` with a ``declaration.py`` (torch-free:
+# ``DECLARATION`` or a tuple ``DECLARATIONS``) and an ``algorithm.py`` that registers the loss when imported (lazily,
+# on the first lookup: ``import recipe.registry`` stays torch- and cycle-free). Adding one edits no list here.
+_RECIPE_DIR = Path(__file__).resolve().parent
+_LOSS_PACKAGES = tuple(sorted(d.name for d in _RECIPE_DIR.iterdir()
+                              if (d / "declaration.py").is_file() and (d / "algorithm.py").is_file()))
+_BUILTIN_RECIPES = tuple(f"recipe.{name}.algorithm" for name in _LOSS_PACKAGES)
+BUILTIN_DECLARATIONS = tuple(f"recipe.{name}.declaration" for name in _LOSS_PACKAGES)
+#: The entry-point group of losses from other packages: each entry point names a module that registers its losses.
+PLUGIN_GROUP = "recipe.losses"
 # verl's loss aggregation modes (recipe.common implements them; listed here, torch-free, for config validation).
 LOSS_AGG_MODES = (
     "token-mean",
@@ -54,21 +66,34 @@ class PolicyLossSpec:
     fn: PolicyLossFn
     batch_selector: Optional[BatchSelector] = None
     row_selector: Optional[RowSelector] = None
+    declaration: Optional[LossDeclaration] = None
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
 
 
-def register_policy_loss(name: str, *, batch_selector: Optional[BatchSelector] = None,
+def register_policy_loss(name: Union[str, LossDeclaration], *, batch_selector: Optional[BatchSelector] = None,
                          row_selector: Optional[RowSelector] = None):
-    """Decorator: register ``fn`` under ``name``. Registering a different function under a taken name is an error
-    (verl's registry silently overwrites, which hides plugin clashes)."""
+    """Decorator: register ``fn`` under ``name``, a loss name or its :class:`LossDeclaration`. Registering a
+    different function under a taken name is an error (verl's registry silently overwrites, which hides plugin
+    clashes). A declaration's ``step`` must match the selector given."""
 
+    declaration = name if isinstance(name, LossDeclaration) else None
+    name = declaration.name if declaration is not None else name
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
     if batch_selector is not None and row_selector is not None:
         raise ValueError(f"policy loss {name!r}: give a batch_selector (one decision over the whole step) or a "
                          "row_selector (one per row), not both")
+    step = "batch_selector" if batch_selector is not None else "row_selector" if row_selector is not None else "nothing"
+    if declaration is None:  # by name: the loss's declaration if it matches, else a bare one (no parameters)
+        declared = _DECLARED.get(name) or declarations(plugins=False).get(name)
+        declaration = declared if declared is not None and declared.step == step else \
+            LossDeclaration(name=name, summary="(registered without a declaration)", step=step)
+    if declaration.step != step:
+        raise ValueError(f"policy loss {name!r}: its declaration says step={declaration.step!r} but it is registered "
+                         f"with {step.replace('_', ' ') if step != 'nothing' else 'no selector'}; register the "
+                         "selector its declaration names")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = _REGISTRY.get(name)
@@ -77,7 +102,9 @@ def register_policy_loss(name: str, *, batch_selector: Optional[BatchSelector] =
                 f"policy loss {name!r} is already registered by {_qualname(existing.fn)}; "
                 f"refusing to replace it with {_qualname(fn)}. Pick another name."
             )
-        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, batch_selector=batch_selector, row_selector=row_selector)
+        _REGISTRY[name] = PolicyLossSpec(name=name, fn=fn, batch_selector=batch_selector, row_selector=row_selector,
+                                         declaration=declaration)
+        _DECLARED[name] = declaration
         return fn
 
     return decorator
@@ -87,9 +114,65 @@ def _qualname(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+_DECLARED: dict[str, LossDeclaration] = {}
+_PLUGINS_LOADED = False
+
+
+def _builtin_declarations() -> tuple[LossDeclaration, ...]:
+    out = []
+    for name in BUILTIN_DECLARATIONS:
+        module = importlib.import_module(name)
+        value = getattr(module, "DECLARATIONS", None) or (module.DECLARATION,)
+        out.extend(value)
+    return tuple(out)
+
+
+def load_plugins() -> list[str]:
+    """Import the modules of the ``recipe.losses`` entry points once (each registers its losses); their names."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return []
+    _PLUGINS_LOADED = True
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            importlib.import_module(ep.value.split(":")[0])
+        except Exception as exc:  # noqa: BLE001 - name the plugin; a broken one must not look like a typo
+            raise ImportError(f"the policy-loss plugin {ep.name!r} ({ep.value}, entry-point group {PLUGIN_GROUP!r}) "
+                              f"failed to import: {type(exc).__name__}: {exc}. Fix the plugin or uninstall it.") from exc
+        loaded.append(ep.name)
+    return loaded
+
+
 def _load_builtins() -> None:
     for module in _BUILTIN_RECIPES:
         importlib.import_module(module)
+    load_plugins()
+
+
+def declarations(*, plugins: bool = True) -> dict[str, LossDeclaration]:
+    """Every loss's declaration by name: the built-ins (torch-free), then (``plugins``) the entry-point losses and
+    any registered at run time."""
+    out = {d.name: d for d in _builtin_declarations()}
+    if plugins:
+        load_plugins()
+    for name, decl in _DECLARED.items():
+        out.setdefault(name, decl)
+    return out
+
+
+def get_declaration(name: str) -> LossDeclaration:
+    """The declaration of loss ``name``; a built-in answers without importing torch."""
+    found = declarations(plugins=False).get(name) or declarations().get(name)
+    if found is None:
+        return get_policy_loss_spec(name).declaration  # raises, listing the registered losses
+    return found
+
+
+# The built-in names, torch-free (a unit test keeps them in step with what the modules register).
+BUILTIN_POLICY_LOSSES = tuple(sorted(d.name for d in _builtin_declarations()))
 
 
 def is_policy_loss_registered(name: str) -> bool:
@@ -135,3 +218,4 @@ def needs_step_log_probs(name: str) -> bool:
     selector decides from them); otherwise the plan needs only the masks (the token count)."""
     spec = get_policy_loss_spec(name)
     return spec.batch_selector is not None or spec.row_selector is not None
+

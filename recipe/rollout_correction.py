@@ -1,6 +1,7 @@
 """Rollout correction: importance weights and rejection for the gap between the rollout engine and the trainer.
 
-Pure torch. The engine that samples (vLLM, HF generate, bf16 kernels) and the trainer that recomputes log-probs at
+Torch, imported on first use: the module itself loads without it, so a config validates its mode against
+:data:`MODES` without importing torch. The engine that samples (vLLM, HF generate, bf16 kernels) and the trainer that recomputes log-probs at
 the same weights (the "old" policy of the loss) never agree exactly; rollout correction reweights or drops tokens by
 that gap before any policy loss runs, so it composes with every loss (verl's rollout correction, TRL's and
 ms-swift's importance-sampling modes). With
@@ -29,11 +30,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-MODES = ("none", "tis_token", "tis_seq", "rs_token", "rs_seq", "rs_geo", "icepop")
+#: Each mode and what it does (the config's help is generated from this; a new mode is one entry here, its branch
+#: in correction_weights, its test and its line in docs/algorithms/rollout_correction.md).
+MODE_HELP = {
+    "none": "nothing is corrected",
+    "tis_token": "w = min(rho, threshold) per token",
+    "tis_seq": "min(row rho, threshold) on the row (row rho = exp(sum log rho))",
+    "rs_token": "drop tokens with rho outside [low, high]",
+    "rs_seq": "drop rows whose row rho is outside [low, high]",
+    "rs_geo": "the same on the row's geometric mean",
+    "icepop": "keep tokens with rho in [low, high], weighted by rho",
+}
+MODES = tuple(MODE_HELP)
 DEFAULT_THRESHOLD = 2.0
 DEFAULT_LOW = 0.5
 DEFAULT_HIGH = 5.0
@@ -71,11 +84,12 @@ def _log_bounds(low: float, high: float) -> tuple[float, float]:
     return (math.log(low) if low > 0 else -math.inf), math.log(high)
 
 
-@torch.no_grad()
 def correction_weights(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, mode: str,
                        threshold: float = DEFAULT_THRESHOLD, low: float = DEFAULT_LOW,
                        high: float = DEFAULT_HIGH) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, keep)`` for (rows, tokens) tensors; see the module doc. Padding may hold anything (NaN too)."""
+    """``(weights, keep)`` for (rows, tokens) tensors; see the module doc. Padding may hold anything (NaN too).
+    Everything is computed from detached inputs: the weights carry no gradient."""
+    import torch
     params = CorrectionParams(mode, float(threshold), float(low), float(high))
     valid = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=valid.device)
@@ -105,12 +119,12 @@ def correction_weights(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, ma
     return torch.where(keep, torch.ones_like(log_rho), zero), keep
 
 
-@torch.no_grad()
 def correction_metrics(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                        weights: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
     """Over the tokens given (the runtime: one optimizer mini-batch, computed once before it is split): the share of
     valid tokens rejected, the weight's mean and max over the kept tokens, and the engine-vs-trainer KL estimated on
     the engine's samples over the valid tokens, k1 = mean(engine - trainer) and k3 = mean(rho - 1 - log rho)."""
+    import torch
     valid = mask.bool()
     n = max(int(valid.sum()), 1)
     kept = keep.bool() & valid

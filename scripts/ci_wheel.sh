@@ -52,9 +52,10 @@ import sys
 
 import recipe
 import stalerl
+import stalerl_study
 
 site = pathlib.Path(md.distribution("stalerl").locate_file("")).resolve()
-for pkg in (recipe, stalerl):
+for pkg in (recipe, stalerl, stalerl_study):
     where = pathlib.Path(pkg.__file__).resolve()
     assert site in where.parents, f"{pkg.__name__} imports from {where}, not from the installed wheel ({site})"
 
@@ -104,7 +105,8 @@ cd "$work/tree"
 export PATH="$VENV/bin:$PATH"
 rc=0
 "$PY" -m pytest -q -ra -p no:cacheprovider tests/integration/test_installed_wheel.py \
-  tests/integration/test_verl_plugin.py tests/integration/test_verl_fipo.py --junitxml="$VENV/verl-tests.xml" || rc=$?
+  tests/integration/test_verl_plugin.py tests/integration/test_verl_fipo.py tests/integration/test_add_a_loss_verl.py \
+  --junitxml="$VENV/verl-tests.xml" || rc=$?
 [ "$rc" -ne 0 ] || "$PY" scripts/junit_check.py "$VENV/verl-tests.xml" "verl plugin (wheel)" || rc=$?
 trl_rc=0
 ci_marked_tests "TRL (wheel)" trl STALERL_REQUIRE_TRL -W ignore::FutureWarning || trl_rc=$?

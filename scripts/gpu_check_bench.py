@@ -213,7 +213,7 @@ def nccl_bench(model_dir: Path, work: Path, n_gpus: int) -> dict[str, Any]:
     import torch
 
     from stalerl.rollout.vllm_nccl import NCCLWeightSender, snapshot_parameters, update_info_for, worker_init_info
-    from stalerl.training.async_trainer import free_port
+    from stalerl.training.async_source import free_port
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

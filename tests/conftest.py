@@ -41,7 +41,7 @@ def small_overrides(tmp_path: Path, **extra) -> list[str]:
 
 
 # The async trainer's test hook: it takes a batch only once the rollouts have filled the staleness window, so the
-# staleness of every step is set by the bound alone (stalerl.training.async_trainer.SLOW_TRAINER_ENV).
+# staleness of every step is set by the bound alone (stalerl.training.async_source.SLOW_TRAINER_ENV).
 SLOW_TRAINER_ENV = {"STALERL_TEST_SLOW_TRAINER": "1"}
 
 
@@ -173,6 +173,7 @@ _SEPARATE_ENVIRONMENTS = {
     "vllm": ("vllm", "bash scripts/setup_vllm.sh, then run pytest -m vllm there"),
     "areal": ("areal", "bash scripts/ci_areal.sh"),
     "swift": ("swift", "bash scripts/ci_swift.sh"),
+    "trinity": ("trinity", "bash scripts/ci_trinity.sh"),
 }
 
 

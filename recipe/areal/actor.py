@@ -11,9 +11,11 @@ Per mini-batch (one optimizer step):
 1. The current policy's log-probs of every token of the mini-batch, without gradient: AReaL's recomputed
    ``prox_logp`` for the first mini-batch when it holds them (same weights: AReaL computes it just before the
    update), else one ``engine.forward`` (later mini-batches follow an optimizer step, so they need their own).
-2. The selection (:func:`recipe.areal.packed.select_mini_batch`): one call of the registry's batch selector over
-   all the mini-batch's tokens and all ranks of the data-parallel group; the keep mask rides along in the mini-batch
-   dict, so AReaL's micro-batching slices and packs it like the log-probs.
+2. For a loss whose step needs a decision (its declaration's ``step``; ``recipe.registry.needs_step_log_probs``),
+   the step plan (:func:`recipe.areal.packed.select_mini_batch`, i.e. ``recipe.optimizer_batch``): M2PO's selection
+   over all the mini-batch's tokens and all ranks of the data-parallel group (``actor.m2_scope: local``: each
+   rank's), FIPO's sequence drop; the plan's masks ride along in the mini-batch dict, so AReaL's micro-batching
+   slices and packs them like the log-probs.
 3. ``engine.train_batch`` with :func:`exact_loss_fn` per micro-batch and the valid-token count as the micro-batch
    weight, which makes AReaL's scaling give the registry's ``token-mean`` over the whole mini-batch.
 
@@ -27,9 +29,11 @@ step), and after the update the actor checks that the view trained every mini-ba
 (a release that trains some other way fails right after). AReaL's own M2PO is switched off in the actor
 (``self.m2_threshold = None``: ``actor.m2_threshold`` is Algorithm 1's tau here), so it can never run instead.
 
-Metrics (``m2po/*``, ``fipo/*``), unscoped, through AReaL's stats tracker, whose export reduces them over all
-mini-batches, micro-batches and ranks of the train step: counts as sums (``ReduceType.SUM``), fractions and means as
-summed numerators over summed denominators (``ReduceType.AVG``), ``m2po/threshold`` as a scalar.
+Metrics: whatever keys the loss returns (``m2po/*``, ``fipo/*``, a plugin loss's own), unscoped, through AReaL's
+stats tracker. Per optimizer step, the micro-batches' metrics are combined by ``recipe.declaration.reduce_metrics``
+with the loss's declared rules (a batch selector's step-wide diagnostics, M2PO's selection, replace the loss's keys
+of the same name, as in the runtime), and recorded as the numerators and denominators that make the tracker's export
+(over all mini-batches and ranks of the train step) follow the same rules: :func:`record_metrics`, the one place.
 """
 
 from __future__ import annotations
@@ -44,15 +48,13 @@ from areal.trainer.ppo.actor import PPOActor
 from areal.utils import stats_tracker
 from areal.utils.stats_tracker import ReduceType
 
-from recipe.areal.packed import packed_policy_loss, needs_current_logprobs, select_mini_batch
-from recipe.areal.rules import check_areal_version, check_exact_loss_config
-from recipe.fipo.algorithm import METRIC_DENOMINATORS, fipo_row_selector
+from recipe.areal.packed import packed_policy_loss, select_mini_batch
+from recipe.areal.rules import check_areal_version, check_exact_loss_config, loss_config, plan_scope
+from recipe.declaration import Metric, reduce_metrics, rule_for
+from recipe.registry import get_policy_loss_spec, needs_step_log_probs
 
 # AReaL's prox_logp methods that fill ``prox_logp`` by a forward pass of the current weights (not an approximation).
 _RECOMPUTED_PROX = ("recompute", "metrics")
-#: AReaL's stats-tracker denominator for each kind of FIPO fraction (recipe.fipo.algorithm.METRIC_DENOMINATORS).
-_FIPO_TRACKER_DENOMINATORS = {"valid_tokens": "fipo/num_valid_tokens", "kept_tokens": "fipo/num_kept_tokens",
-                              "rows": "fipo/num_sequences"}
 
 
 class ExactPathNotTaken(RuntimeError):
@@ -72,61 +74,66 @@ class _UpdateProof:
     loss_calls: int = 0
 
 
-def _record_fipo_metrics(metrics: dict[str, float], mask: torch.Tensor, kept: torch.Tensor, num_sequences: int) -> None:
-    """One micro-batch's FIPO fractions as per-token (per-row) constants over their denominators (valid tokens, kept
-    tokens, rows): AReaL's AVG reduction then gives sum(fraction x denominator) / sum(denominator) over the step,
-    i.e. the pooled fraction."""
-    over = {"valid_tokens": mask, "kept_tokens": kept,
-            "rows": torch.ones(num_sequences, dtype=torch.bool, device=mask.device)}
-    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
-        stats_tracker.denominator(**{_FIPO_TRACKER_DENOMINATORS[k]: v for k, v in over.items()})
-        for key, value in metrics.items():
-            if not key.startswith("fipo/"):
-                continue
-            kind = METRIC_DENOMINATORS[key]
-            stats_tracker.stat(**{key: torch.full(over[kind].shape, float(value), device=mask.device)},
-                               denominator=_FIPO_TRACKER_DENOMINATORS[kind], reduce_type=ReduceType.AVG)
+def record_metrics(values: dict[str, float], counts: dict[str, float], rules: dict[str, Metric], namespace: str, *,
+                   weighted: bool = True) -> None:
+    """One step's metrics (``values``, with the step's ``counts`` of ``valid_tokens`` and ``rows``) into AReaL's stats
+    tracker, so that its export over the train step's mini-batches and ranks combines them by the declared ``rules``
+    (undeclared keys by ``reduce_metrics``'s naming convention):
+
+    - a mean weighted by ``w`` (a count: valid tokens, rows, or another metric of the loss such as
+      ``fipo/num_kept_tokens``): AVG of the value over a denominator of ``w`` entries (``<namespace>/num_valid_tokens``,
+      ``<namespace>/num_sequences``, or that metric's own key);
+    - a sum (a count): a denominator of ``value`` entries under its own key, exported as their sum;
+    - a max: MAX over the valid-token denominator.
+
+    A denominator named like a declared count (``m2po/num_valid_tokens``) is that count. ``weighted=False``: the same
+    keys with zero weight (another rank records the group's values once).
+    """
+    def entries(n: float) -> torch.Tensor:
+        n = int(round(n)) if weighted else 0
+        return torch.arange(max(n, 1)) < n  # AReaL refuses an empty denominator: one False entry for a zero count
+
+    denominators: dict[str, torch.Tensor] = {}
+
+    def denominator(weight: str) -> str:
+        if weight in ("valid_tokens", "rows"):
+            name = f"{namespace}/num_valid_tokens" if weight == "valid_tokens" else f"{namespace}/num_sequences"
+            count = counts[weight]
+        else:
+            name, count = weight, values.get(weight, 0.0)
+        if name not in denominators:
+            denominators[name] = entries(count)
+        return name
+
+    stats: list[tuple[str, Any, str]] = []
+    for key, value in values.items():
+        rule = rule_for(key, rules)
+        if rule.combine == "sum":
+            denominators.setdefault(key, entries(value))
+        elif rule.combine == "max":
+            stats.append((key, ReduceType.MAX, denominator("valid_tokens")))
+        else:
+            stats.append((key, ReduceType.AVG, denominator(rule.weight)))
+    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly the loss's keys
+        stats_tracker.denominator(**denominators)
+        for key, reduce_type, name in stats:
+            stats_tracker.stat(**{key: torch.full(denominators[name].shape, float(values[key]))}, denominator=name,
+                               reduce_type=reduce_type)
 
 
-def _fipo_kept_tokens(input_data: dict[str, Any], current: torch.Tensor, config: Any) -> torch.Tensor:
-    """The packed micro-batch's tokens that enter FIPO's loss: valid and not in a dropped row (the loss's own rule,
-    on the same behaviour and current log-probs)."""
-    mask = input_data["loss_mask"].bool()
-    keep = fipo_row_selector(input_data["logprobs"].detach(), current.detach(),
-                             input_data["advantages"].detach(), mask, config=config,
-                             cu_seqlens=input_data["cu_seqlens"])["row_keep_mask"]
-    return keep.reshape(mask.shape).bool() & mask
-
-
-def _record_m2po_metrics(selection: Any, mini_batch: dict[str, Any], current: torch.Tensor) -> None:
-    """The step's M2PO diagnostics from this rank's tokens; AReaL's export sums / pools them over ranks."""
-    mask = mini_batch["loss_mask"].bool()
-    device = mask.device
-    # the selection ran over the mini-batch flattened to one row (recipe.optimizer_batch): back to its (B, T)
-    keep = selection.keep_mask.reshape(mask.shape).to(device).bool()
-    trust = selection.trust_region.reshape(mask.shape).to(device).bool() & mask
-    masked = trust & ~keep
-    kept_trust = trust & keep
-    d2 = ((current.detach().to(device).float() - mini_batch["logprobs"].detach().float()) ** 2).float()
-    with stats_tracker.DEFAULT_TRACKER.disable_scope():  # names exactly m2po/*, fipo/*
-        stats_tracker.denominator(**{"m2po/num_valid_tokens": mask, "m2po/num_trust_region_tokens": trust,
-                                     "m2po/num_masked_tokens": masked,
-                                     "m2po/num_kept_trust_region_tokens": kept_trust})
-        stats_tracker.stat(**{"m2po/masked_fraction": masked.float(), "m2po/trust_region_fraction": trust.float()},
-                           denominator="m2po/num_valid_tokens", reduce_type=ReduceType.AVG)
-        stats_tracker.stat(**{"m2po/m2_before": d2}, denominator="m2po/num_trust_region_tokens",
-                           reduce_type=ReduceType.AVG)
-        stats_tracker.stat(**{"m2po/m2_after": d2}, denominator="m2po/num_kept_trust_region_tokens",
-                           reduce_type=ReduceType.AVG)
-        stats_tracker.scalar(**{"m2po/threshold": float(selection.threshold)})
+def _micro_batch_counts(input_data: dict[str, Any]) -> dict[str, float]:
+    return {"valid_tokens": float(input_data["loss_mask"].bool().sum()),
+            "rows": float(input_data["cu_seqlens"].numel() - 1)}
 
 
 def exact_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dict[str, Any], *, loss_name: str,
-                  config: Any, log_loss_metrics: bool = True, step_scale: float = 1.0,
-                  proof: Optional[_UpdateProof] = None, **_engine_extras: Any) -> torch.Tensor:
+                  config: Any, step_scale: float = 1.0, proof: Optional[_UpdateProof] = None,
+                  parts: Optional[list] = None, **_engine_extras: Any) -> torch.Tensor:
     """The loss AReaL's engine calls per packed micro-batch (its ``loss_fn`` signature), with AReaL's statistics.
 
-    ``_engine_extras`` takes what engines pass besides (``vocab_min_logits`` / ``vocab_max_logits``), unused here.
+    ``parts`` collects ``(counts, metrics)`` per micro-batch; the actor combines them per optimizer step
+    (:func:`record_metrics`). ``_engine_extras`` takes what engines pass besides (``vocab_min_logits`` /
+    ``vocab_max_logits``), unused here.
     """
     if proof is not None:
         proof.loss_calls += 1
@@ -142,11 +149,8 @@ def exact_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dic
         stats_tracker.stat(importance_weight=torch.exp((new - old).clamp(-20, 20)), log_ratio=new - old,
                            new_logp=new, old_logp=old, entropy=entropy.detach().float(),
                            denominator="n_valid_tokens")
-        if loss_name == "fipo":
-            kept_tokens = _fipo_kept_tokens(input_data, new, config)
-            _record_fipo_metrics(metrics, mask, kept_tokens, int(input_data["cu_seqlens"].numel()) - 1)
-        elif log_loss_metrics:
-            stats_tracker.scalar(**metrics)
+        if parts is not None:
+            parts.append((_micro_batch_counts(input_data), {k: float(v) for k, v in metrics.items()}))
     return loss
 
 
@@ -244,21 +248,37 @@ class ExactLossPPOActor(PPOActor):
     # ------------------------------------------------------------------------------------------------- one step
 
     def train_mini_batch(self, engine: Any, mini_batch: dict[str, Any], *, first: bool) -> dict:
-        """One optimizer step on one PPO mini-batch (AReaL's ``train_batch``), with the exact loss."""
+        """One optimizer step on one PPO mini-batch (AReaL's ``train_batch``), with the exact loss, and its metrics
+        (the micro-batches' combined by the declared rules; a batch selector's step-wide diagnostics instead of the
+        loss's own keys)."""
         assert self.loss_name is not None
-        step_scale = 1.0
-        if needs_current_logprobs(self.loss_name):
+        spec = get_policy_loss_spec(self.loss_name)
+        config = loss_config(self.config, self.loss_name)
+        step_scale, decided, group = 1.0, None, None
+        if needs_step_log_probs(self.loss_name):
             current = self.current_logprobs(engine, mini_batch, first=first)
-            group = engine.data_parallel_group if engine.data_parallel_world_size > 1 else None
-            decided = select_mini_batch(self.loss_name, mini_batch, current, self.config, group=group,
+            if engine.data_parallel_world_size > 1 and plan_scope(self.config, self.loss_name) != "local":
+                group = engine.data_parallel_group
+            decided = select_mini_batch(self.loss_name, mini_batch, current, config, group=group,
                                         device=getattr(engine, "device", None))
             step_scale = decided.step_scale
-            if decided.selection is not None:
-                _record_m2po_metrics(decided.selection, mini_batch, current)
-        loss_fn = functools.partial(exact_loss_fn, loss_name=self.loss_name, config=self.config,
-                                    log_loss_metrics=self.loss_name != "m2po", step_scale=step_scale,
-                                    proof=self._proof)
-        return engine.train_batch(mini_batch, loss_fn=loss_fn, loss_weight_fn=valid_tokens)
+        parts: list = []
+        loss_fn = functools.partial(exact_loss_fn, loss_name=self.loss_name, config=config, step_scale=step_scale,
+                                    proof=self._proof, parts=parts)
+        stats = engine.train_batch(mini_batch, loss_fn=loss_fn, loss_weight_fn=valid_tokens)
+        rules = dict(spec.declaration.metrics)
+        local = reduce_metrics(parts, rules)
+        selection = decided.selection if decided is not None else None
+        if selection is None:
+            counts = {k: sum(c[k] for c, _ in parts) for k in ("valid_tokens", "rows")}
+            record_metrics(local, counts, rules, self.loss_name)
+        else:  # the selection's metrics are the group's (all ranks): its first rank records them, with its counts
+            plan = decided.plan
+            owner = group is None or torch.distributed.get_rank(group) == 0
+            record_metrics({**local, **selection.metrics()},
+                           {"valid_tokens": plan.num_tokens, "rows": plan.num_rows or 0}, rules, self.loss_name,
+                           weighted=owner)
+        return stats
 
     def current_logprobs(self, engine: Any, mini_batch: dict[str, Any], *, first: bool) -> torch.Tensor:
         """The current weights' log-probs of the mini-batch's tokens, ``(B, T)`` like its ``loss_mask``.

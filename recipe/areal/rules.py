@@ -1,5 +1,6 @@
-"""Which AReaL actor settings the exact losses need, checked before any work. Imports only ``recipe`` (FIPO's key
-check and M2PO's threshold check, the recipe's own, import torch lazily).
+"""Which AReaL actor settings the exact losses need, checked before any work, and the loss keys of AReaL's actor
+config, generated from the loss declarations. Imports only ``recipe`` (torch-free: the declarations check the
+loss parameters, ``Param.check`` and the declaration's cross-parameter rules).
 
 The exact losses replace AReaL's ``grpo_loss_fn`` as a whole, so every AReaL key that only acts inside that function
 would be silently ignored; those are refused here with the fix, as is the one combination in which AReaL overwrites
@@ -8,13 +9,15 @@ the behaviour log-probs that M2PO's ratio needs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
-from recipe.registry import BUILTIN_POLICY_LOSSES, is_policy_loss_registered
+from recipe.declaration import LossDeclaration, Param
+from recipe.registry import declarations, get_declaration, is_policy_loss_registered
 from recipe.versions import check_framework_version
 
-#: Algorithm 1's tau when ``actor.m2_threshold`` is left unset under ``actor.loss=m2po``.
-DEFAULT_M2_THRESHOLD = 0.04
+#: The framework name under which the loss declarations name and default AReaL's keys (``Param.name_in``).
+FRAMEWORK = "areal"
 
 
 def check_areal_version(version: Optional[str] = None) -> Optional[str]:
@@ -23,20 +26,99 @@ def check_areal_version(version: Optional[str] = None) -> Optional[str]:
     Called when the adapter's config or actor is built: the exact path depends on AReaL's internals
     (``PPOActor._ppo_update`` calling ``engine.train_batch`` once per mini-batch)."""
     return check_framework_version("areal", version, where="recipe.areal")
+
+
+#: Keys of AReaL's own ``PPOActorConfig`` (default None there) that a declared loss parameter shares: AReaL's field
+#: is then the parameter's key (None = the loss's default). ``recipe.areal.config`` checks this list against AReaL.
+AREAL_OWN_KEYS = ("m2_threshold",)
 #: The losses whose objective has no PPO dual clip, so AReaL's ``c_clip`` would be ignored.
 _NO_DUAL_CLIP = ("m2po", "no_trust_region", "fipo")
+
+
+def _declared_params() -> dict[str, tuple[Param, list[str]]]:
+    """AReaL key -> (the parameter, the losses declaring it), over every declared loss (plugins included). Two losses
+    may share a key only with one declaration of it (m2po and m2po_authors share tau)."""
+    out: dict[str, tuple[Param, list[str]]] = {}
+    for decl in declarations().values():
+        for p in decl.params:
+            key = p.name_in(FRAMEWORK)
+            if key in out and out[key][0] != p:
+                raise TypeError(f"loss {decl.name!r} declares actor.{key} differently from loss {out[key][1][0]!r}; "
+                                "a shared parameter needs one declaration (reuse the other loss's Param)")
+            out.setdefault(key, (p, []))[1].append(decl.name)
+    return out
+
+
+def loss_param_fields(base: type) -> list[tuple[str, type, Any]]:
+    """``dataclasses.make_dataclass`` fields for every declared loss parameter under its AReaL key, with its AReaL
+    default and the declaration's help, choices and bounds as field metadata. A key that AReaL's ``base`` config
+    already has (``m2_threshold``: AReaL's own M2PO) stays AReaL's field: it must default to None there (unset = the
+    loss's default), else the declaration has to give the parameter another AReaL name (``Param.names``)."""
+    own = {f.name: f for f in dataclasses.fields(base)}
+    fields = []
+    for key, (p, losses) in _declared_params().items():
+        if key in AREAL_OWN_KEYS and key not in own:
+            raise TypeError(f"actor.{key} is not a key of this AReaL's PPOActorConfig, but "
+                            "recipe.areal.rules.AREAL_OWN_KEYS lists it; update that list")
+        if key in own:
+            if key not in AREAL_OWN_KEYS or own[key].default is not None:
+                raise TypeError(f"loss {losses[0]!r}: its parameter {p.name!r} is AReaL's own actor.{key} (default "
+                                f"{own[key].default!r}), which means something else there; give it another AReaL "
+                                "name: Param(..., names={'areal': '<name>'})")
+            continue
+        kind = Optional[p.kind] if p.default_in(FRAMEWORK) is None else p.kind
+        fields.append((key, kind, dataclasses.field(default=p.default_in(FRAMEWORK), metadata=p.metadata())))
+    return fields
+
+
+def _clip(actor: Any) -> tuple[float, float]:
+    low = getattr(actor, "eps_clip", None)
+    low = 0.2 if low is None else float(low)
+    high = getattr(actor, "eps_clip_higher", None)
+    return low, (low if high is None else float(high))
+
+
+def loss_values(decl: LossDeclaration, actor: Any) -> dict[str, Any]:
+    """The declared parameters of ``decl`` as set in an AReaL actor config (its AReaL keys; unset: the default)."""
+    out = {}
+    for p in decl.params:
+        value = getattr(actor, p.name_in(FRAMEWORK), None)
+        out[p.name] = p.default_in(FRAMEWORK) if value is None else value
+    return out
+
+
+def loss_config(actor: Any, loss: Optional[str] = None) -> dict[str, Any]:
+    """The config the registered loss reads (``DECLARATION.read``): its parameters under their declared names from
+    the AReaL keys, a step-scope parameter at its in-call value (the adapter plans the step: M2PO's selection runs
+    before the micro-batches), and AReaL's PPO clip (``eps_clip``, ``eps_clip_higher``)."""
+    decl = get_declaration(loss if loss is not None else actor.loss)
+    out: dict[str, Any] = {p.name: (p.planned_value if p.step_scope else v)
+                           for p, v in zip(decl.params, loss_values(decl, actor).values())}
+    out.update(eps_clip=getattr(actor, "eps_clip", None), eps_clip_higher=getattr(actor, "eps_clip_higher", None))
+    return out
+
+
+def plan_scope(actor: Any, loss: Optional[str] = None) -> Optional[str]:
+    """The value of the loss's step-scope parameter (M2PO's ``m2_scope``: ``dp_group`` plans over all
+    data-parallel ranks, ``local`` over each rank's share), or None when it has none."""
+    decl = get_declaration(loss if loss is not None else actor.loss)
+    for p, value in zip(decl.params, loss_values(decl, actor).values()):
+        if p.step_scope:
+            return value
+    return None
 
 
 def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
     """One line per problem with an AReaL actor config (any object with its attributes) under the exact losses.
 
-    Empty when ``actor.loss`` is unset (AReaL's own loss, untouched) or when everything fits.
+    Empty when ``actor.loss`` is unset (AReaL's own loss, untouched) or when everything fits. The loss's parameters
+    are checked by their declaration (``Param.check`` and its cross-parameter rules).
     """
     loss = getattr(actor, "loss", None)
     if loss is None:
         return []
     if not isinstance(loss, str) or not is_policy_loss_registered(loss):
-        return [f"{where}loss must be one of {', '.join(BUILTIN_POLICY_LOSSES)} (or a name registered with "
+        return [f"{where}loss must be one of {', '.join(sorted(declarations()))} (or a name registered with "
                 f"recipe.registry.register_policy_loss), got {loss!r}; or leave it unset for AReaL's own loss"]
     errors = []
     decoupled = bool(getattr(actor, "use_decoupled_loss", False))
@@ -63,24 +145,25 @@ def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
         errors.append(f"{where}c_clip is a PPO dual clip that {where}loss={loss} does not have"
                       + (f" (FIPO's is {where}fipo_clip_ratio_c)" if loss == "fipo" else "")
                       + f"; set {where}c_clip=null")
-    threshold = getattr(actor, "m2_threshold", None)
-    if loss != "m2po" and threshold is not None:
-        errors.append(f"{where}m2_threshold is M2PO's threshold and {where}loss={loss} would ignore it; set "
-                      f"{where}m2_threshold=null (or {where}loss=m2po)")
-    if loss == "m2po" and threshold is not None:
-        from recipe.m2po.algorithm import m2_threshold_from_config  # the recipe's own check (imports torch)
-
+    decl = get_declaration(loss)
+    mine = {p.name_in(FRAMEWORK) for p in decl.params}
+    for key in AREAL_OWN_KEYS:  # AReaL's own key, set, that another loss's parameter shares: it would do nothing
+        losses = _declared_params().get(key, (None, []))[1]
+        if key not in mine and losses and getattr(actor, key, None) is not None:
+            errors.append(f"{where}{key} is a parameter of {' and '.join(losses)} (and AReaL's own key) and "
+                          f"{where}loss={loss} would ignore it; set {where}{key}=null (or {where}loss={losses[0]})")
+    values, bad = {}, False
+    for p in decl.params:
+        key = p.name_in(FRAMEWORK)
+        value = getattr(actor, key, None)
         try:
-            m2_threshold_from_config({"m2_threshold": threshold})
+            values[p.name] = p.default_in(FRAMEWORK) if value is None else p.check(value, f"{where}{key}")
         except ValueError as err:
-            errors.append(f"{where}{err} (M2PO's tau); e.g. {where}m2_threshold={DEFAULT_M2_THRESHOLD}")
-    if loss == "fipo":
-        from recipe.fipo.algorithm import fipo_params_from_config
-
-        try:
-            fipo_params_from_config(actor)
-        except ValueError as err:
-            errors.append(f"{where}{err}")
+            errors.append(str(err))
+            bad = True
+    if not bad:
+        errors.extend(f"{where}{decl.param(name).name_in(FRAMEWORK)} {msg}"
+                      for name, msg in decl.problems(values, _clip(actor)))
     return errors
 
 

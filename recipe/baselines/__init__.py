@@ -1,10 +1,11 @@
-"""Baselines for stale-rollout comparisons: ``vanilla`` (PPO clip, optional dual clip) and ``no_trust_region``."""
+"""Baselines for stale-rollout comparisons: ``vanilla`` (PPO clip, optional dual clip) and ``no_trust_region``.
 
-from recipe.baselines.algorithm import (  # noqa: F401
-    compute_policy_loss_no_trust_region,
-    compute_policy_loss_vanilla,
-)
-from recipe.registry import register_policy_loss
+Importing the package is torch-free: it holds the loss's declaration (``declaration.py``); the arithmetic
+(``algorithm.py``, torch) loads on the first attribute it provides, and registers the loss then.
+"""
 
-register_policy_loss("vanilla")(compute_policy_loss_vanilla)
-register_policy_loss("no_trust_region")(compute_policy_loss_no_trust_region)
+from recipe.baselines.declaration import NO_TRUST_REGION, VANILLA  # noqa: F401
+from recipe.declaration import lazy_attributes
+
+__getattr__ = lazy_attributes(__name__)
+

@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.baselines.declaration import NO_TRUST_REGION, VANILLA
+from recipe.registry import register_policy_loss
 from recipe.common import (
     agg_loss,
     cfg_lookup,
@@ -133,3 +135,8 @@ def compute_policy_loss_no_trust_region(
             _masked_mean(-d.detach(), valid),
         ]).tolist()
     return loss, dict(zip(NO_TR_METRIC_KEYS, stats))
+
+
+# Registration: the loss under its declaration (recipe/baselines/declaration.py), with what its step needs.
+register_policy_loss(VANILLA)(compute_policy_loss_vanilla)
+register_policy_loss(NO_TRUST_REGION)(compute_policy_loss_no_trust_region)

@@ -1,15 +1,11 @@
-"""FIPO as a registered policy loss: ``get_policy_loss_fn("fipo")``; keys ``fipo_*`` (see recipe.fipo.algorithm)."""
+"""FIPO as a registered policy loss: ``get_policy_loss_fn("fipo")``; keys ``fipo_*`` (see recipe.fipo.declaration).
 
-from recipe.fipo.algorithm import (  # noqa: F401
-    METRIC_KEYS,
-    FIPOParams,
-    compute_policy_loss_fipo,
-    discounted_future_sum,
-    fipo_params_from_config,
-    fipo_per_token_loss,
-    fipo_row_selector,
-    fipo_weights,
-)
-from recipe.registry import register_policy_loss
+Importing the package is torch-free: it holds the loss's declaration (``declaration.py``); the arithmetic
+(``algorithm.py``, torch) loads on the first attribute it provides, and registers the loss then.
+"""
 
-register_policy_loss("fipo", row_selector=fipo_row_selector)(compute_policy_loss_fipo)
+from recipe.fipo.declaration import DECLARATION  # noqa: F401
+from recipe.declaration import lazy_attributes
+
+__getattr__ = lazy_attributes(__name__)
+

@@ -34,10 +34,12 @@ that splits a step computes:
   ``batch_num_tokens`` to the kept tokens of the whole step, all-reduced over the group. The loss honours that
   mask: the drop is the plan's, as M2PO's selection is. Summing the micro-batch losses is then exactly the
   one-call loss, whatever the split.
-- a caller that sets ``batch_num_tokens`` itself without the plan's ``row_keep_mask`` (verl's ``ppo_loss``, the
-  stalerl actor) counted every valid token before the loss, dropped rows included: the loss divides by that count
-  as given, which is the reference only when no row drops. verl's plugin therefore refuses FIPO on a split step
-  (recipe/verl/losses.py).
+- a caller that sets the count itself (``batch_num_tokens``; ``global_batch_size`` for the seq-mean modes) without
+  the plan's ``row_keep_mask`` (verl's ``ppo_loss``) counted every valid token (row) before the loss, dropped rows
+  included. The loss is exact there or refuses (:func:`_exact_counts`): when no row of the call drops, the count is
+  exact as given; when ``dp_size`` is 1 and the count is this call's own (the step is this call) the dropped rows'
+  tokens (rows) leave it, exactly the one call above; any other count with a dropped row is refused with one line
+  (the dropped rows' tokens would stay in a denominator that only the plan can count).
 
 Clip metrics: ``fipo/clip_fraction`` (the PPO clip decided the token) and ``fipo/dual_clip_fraction`` (the dual
 clip -A c decided it), as shares of the tokens that enter the loss (the kept rows' valid tokens).
@@ -58,10 +60,11 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.fipo.declaration import DECLARATION
+from recipe.registry import register_policy_loss
 from recipe.common import (
     LOG_RATIO_CLAMP,
     agg_loss,
-    cfg_lookup,
     check_inputs,
     global_batch_info,
     masked_log_ratio,
@@ -70,7 +73,7 @@ from recipe.common import (
     clamp_log_ratio,
 )
 
-METRIC_KEYS = (
+FRACTION_KEYS = (
     "fipo/influence_weights_mean_raw",
     "fipo/influence_weight_clip_ratio_upper",
     "fipo/influence_weight_clip_ratio_lower",
@@ -78,11 +81,15 @@ METRIC_KEYS = (
     "fipo/clip_fraction",
     "fipo/dual_clip_fraction",
 )
+# What the loss reports on every call: the fractions and the count of tokens that enter the loss (the weight of
+# its clip fractions when a step's calls are pooled, recipe/fipo/declaration.py).
+METRIC_KEYS = (*FRACTION_KEYS, "fipo/num_kept_tokens")
 
-DEFAULT_DECAY_RATE = 32.0
-DEFAULT_CLIP_RATIO_C = 10.0
-DEFAULT_INFLUENCE_CLIP_RATIO = 0.2
-DEFAULT_SAFETY_THRESHOLD = 10.0
+_DEFAULTS = DECLARATION.defaults()
+DEFAULT_DECAY_RATE = _DEFAULTS["fipo_decay_rate"]
+DEFAULT_CLIP_RATIO_C = _DEFAULTS["fipo_clip_ratio_c"]
+DEFAULT_INFLUENCE_CLIP_RATIO = _DEFAULTS["fipo_influence_clip_ratio"]
+DEFAULT_SAFETY_THRESHOLD = _DEFAULTS["fipo_safety_threshold"]
 #: eps_f == 0 mode: the weight is only capped from above, at this value.
 UNCLIPPED_WEIGHT_MAX = 10.0
 #: Safety reset range for A < 0 tokens whose ratio exceeds the safety threshold.
@@ -94,16 +101,12 @@ RAW_METRIC_LOG_CLAMP = 20.0
 SCAN_BLOCK = 64
 
 
-def _keys(name: str) -> tuple[str, ...]:
-    return (f"policy_loss.{name}", name)
-
-
 @dataclass(frozen=True)
 class FIPOParams:
     decay_rate: float = DEFAULT_DECAY_RATE
     clip_ratio_c: float = DEFAULT_CLIP_RATIO_C
     influence_clip_ratio: float = DEFAULT_INFLUENCE_CLIP_RATIO
-    influence_clip_high_only: bool = True
+    influence_clip_high_only: bool = _DEFAULTS["fipo_influence_clip_high_only"]
     safety_threshold: float = DEFAULT_SAFETY_THRESHOLD
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -120,39 +123,28 @@ class FIPOParams:
         return (1.0 if self.influence_clip_high_only else 1.0 - eps), 1.0 + eps
 
     def validate(self, where: str = "") -> "FIPOParams":
-        """Cross-key rules; ``where`` prefixes the key names in messages (e.g. ``actor.``)."""
-        if self.clip_ratio_c <= 1.0 + self.eps_high:
-            raise ValueError(
-                f"{where}fipo_clip_ratio_c must be > 1 + eps_high = {1.0 + self.eps_high} (FIPO's sequence drop and "
-                f"Future-KL filter assume the dual clip sits above the PPO clip), got {self.clip_ratio_c}. Fix: set "
-                f"{where}fipo_clip_ratio_c=10.")
-        if not self.influence_clip_high_only and self.influence_clip_ratio >= 1.0:
-            raise ValueError(
-                f"{where}fipo_influence_clip_ratio must be < 1 in symmetric mode (fipo_influence_clip_high_only=false: "
-                f"the lower bound 1 - eps_f must stay positive), got {self.influence_clip_ratio}. Fix: set it to 0.2.")
+        """The declaration's cross-key rules; ``where`` prefixes the key names in messages (e.g. ``actor.``)."""
+        DECLARATION.raise_problems(self.declared_values(), (self.eps_low, self.eps_high), where=where)
         return self
+
+    def declared_values(self) -> dict[str, Any]:
+        """The five declared keys by their config names."""
+        return {"fipo_decay_rate": self.decay_rate, "fipo_clip_ratio_c": self.clip_ratio_c,
+                "fipo_influence_clip_ratio": self.influence_clip_ratio,
+                "fipo_influence_clip_high_only": self.influence_clip_high_only,
+                "fipo_safety_threshold": self.safety_threshold}
 
 
 def fipo_params_from_config(config: Any) -> FIPOParams:
-    """Read and validate the FIPO keys (``policy_loss.<key>`` first, then ``<key>``) and the PPO clip."""
-    high_only, path = cfg_lookup(config, _keys("fipo_influence_clip_high_only"), True)
-    if not isinstance(high_only, bool):
-        raise ValueError(f"{path} must be true or false, got {high_only!r} ({type(high_only).__name__})")
+    """The FIPO keys (``policy_loss.<key>`` first, then ``<key>``; recipe/fipo/declaration.py) and the PPO clip,
+    checked, with the declaration's cross-key rules."""
     low = read_float(config, ("clip_ratio_low", "clip_ratio", "eps_clip"), 0.2, minimum=0.0)
     high = read_float(config, ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"), low, minimum=0.0)
-    return FIPOParams(
-        decay_rate=read_float(config, _keys("fipo_decay_rate"), DEFAULT_DECAY_RATE, minimum=0.0,
-                              minimum_inclusive=False),
-        clip_ratio_c=read_float(config, _keys("fipo_clip_ratio_c"), DEFAULT_CLIP_RATIO_C, minimum=1.0,
-                                minimum_inclusive=False),
-        influence_clip_ratio=read_float(config, _keys("fipo_influence_clip_ratio"), DEFAULT_INFLUENCE_CLIP_RATIO,
-                                        minimum=0.0),
-        influence_clip_high_only=high_only,
-        safety_threshold=read_float(config, _keys("fipo_safety_threshold"), DEFAULT_SAFETY_THRESHOLD, minimum=0.0,
-                                    minimum_inclusive=False),
-        eps_low=low,
-        eps_high=high,
-    ).validate()
+    p = DECLARATION.read(config, clip=(low, high))
+    return FIPOParams(decay_rate=p.fipo_decay_rate, clip_ratio_c=p.fipo_clip_ratio_c,
+                      influence_clip_ratio=p.fipo_influence_clip_ratio,
+                      influence_clip_high_only=p.fipo_influence_clip_high_only,
+                      safety_threshold=p.fipo_safety_threshold, eps_low=low, eps_high=high)
 
 
 # ------------------------------------------------------------------------------------------------ Future-KL
@@ -277,14 +269,9 @@ def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch
 
 #: What each ``fipo/*`` fraction is a fraction of, for pooling a step's micro-batches and ranks (summed numerators
 #: over summed denominators): the valid tokens, the tokens that enter the loss (valid, not in a dropped row), rows.
-METRIC_DENOMINATORS = {
-    "fipo/influence_weights_mean_raw": "valid_tokens",
-    "fipo/influence_weight_clip_ratio_upper": "valid_tokens",
-    "fipo/influence_weight_clip_ratio_lower": "valid_tokens",
-    "fipo/sequence_drop_ratio": "rows",
-    "fipo/clip_fraction": "kept_tokens",
-    "fipo/dual_clip_fraction": "kept_tokens",
-}
+METRIC_DENOMINATORS = {key: {"fipo/num_kept_tokens": "kept_tokens"}.get(DECLARATION.metrics[key].weight,
+                                                                      DECLARATION.metrics[key].weight)
+                       for key in FRACTION_KEYS}
 
 
 @dataclass
@@ -319,7 +306,7 @@ def fipo_metric_parts(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: 
         (dual & loss_mask).sum().float(),
         valid.sum().float(), loss_mask.sum().float(), torch.tensor(float(dropped.numel()), device=valid.device),
     ]).tolist()
-    return FIPOMetricParts(numerators=dict(zip(METRIC_KEYS, parts[:6])),
+    return FIPOMetricParts(numerators=dict(zip(FRACTION_KEYS, parts[:6])),
                            denominators={"valid_tokens": parts[6], "kept_tokens": parts[7], "rows": parts[8]},
                            dropped_rows=dropped)
 
@@ -394,6 +381,45 @@ def fipo_row_selector(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     return {"row_keep_mask": keep.reshape(shape), "num_rows": num_rows, "num_dropped_rows": int(dropped.sum())}
 
 
+#: The ``global_batch_info`` count each aggregation divides by (``token-sum`` divides by none).
+_COUNT_KEYS = {"token-mean": "batch_num_tokens", "seq-mean-token-sum": "global_batch_size",
+               "seq-mean-token-sum-norm": "global_batch_size", "seq-mean-token-mean": "global_batch_size"}
+
+
+def _exact_counts(info: dict[str, Any], loss_agg_mode: str, valid: torch.Tensor,
+                  dropped: torch.Tensor) -> dict[str, Any]:
+    """The counts that make this call exact when its caller counted the step without the plan (no
+    ``row_keep_mask``): without a dropped row the count is exact as given; a count that is this call's own
+    (``dp_size`` 1: the step is this call) loses the dropped rows' tokens (rows), which makes it the one-call
+    reference's (a caller that already counted this call's kept tokens (rows) is exact as given); any other count is
+    a ValueError (module docstring, Normalisation)."""
+    key = _COUNT_KEYS.get(loss_agg_mode)
+    given = info.get(key) if key is not None else None
+    if given is None:  # no count (agg_loss counts this call's kept tokens or rows), or token-sum (no count)
+        return info
+    if isinstance(given, torch.Tensor):
+        given = given.item()
+    dp_size = int(info.get("dp_size") or 1)
+    n_tokens, n_rows, n_dropped, n_dropped_tokens = torch.stack([
+        valid.sum(), valid.any(dim=-1).sum(), dropped.sum(), (valid & dropped.unsqueeze(-1)).sum()]).tolist()
+    if not n_dropped:
+        return info
+    tokens = key == "batch_num_tokens"
+    own = (n_tokens,) if tokens else (n_rows, valid.shape[0])
+    lost = n_dropped_tokens if tokens else n_dropped
+    if dp_size == 1 and float(given) in own:  # the step is this call: its kept tokens (rows)
+        return {**info, key: int(given) - lost}
+    if dp_size == 1 and float(given) in tuple(n - lost for n in own):  # the step is this call, counted kept
+        return info
+    what = "valid tokens" if key == "batch_num_tokens" else "rows"
+    raise ValueError(
+        f"fipo: global_batch_info {key}={given} (dp_size={dp_size}) is not this call's own count ({int(own[0])} "
+        f"{what}), and {int(n_dropped)} of its rows drop, so the loss cannot be exact with that count: a dropped "
+        f"row must leave the step's denominator, and only the call that holds it knows it drops. Plan the step with "
+        f"recipe.optimizer_batch.plan_optimizer_batch('fipo', micro_batches, config) and pass each call its "
+        f"row_keep_mask (the plan counts the kept {what}), or make the step one call")
+
+
 def compute_policy_loss_fipo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -408,8 +434,10 @@ def compute_policy_loss_fipo(
 
     ``row_keep_mask`` (optional): the step plan's sequence drop for this micro-batch (:func:`fipo_row_selector`
     through ``recipe.optimizer_batch.plan_optimizer_batch``), whose ``batch_num_tokens`` then counts the step's
-    kept tokens.
-    Without it the drop is computed here, from this call's rows.
+    kept tokens (used as given).
+    Without it the drop is computed here, from this call's rows, and a count in ``global_batch_info`` is used only
+    where it is exact (:func:`_exact_counts`): as given without a dropped row; this call's own count less the dropped
+    rows' tokens (the step is this call); any other count is refused when a row of this call drops.
     """
     params = fipo_params_from_config(config)
     valid = check_inputs("fipo", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
@@ -419,15 +447,19 @@ def compute_policy_loss_fipo(
                          "for this micro-batch")
     d = masked_log_ratio(old_log_prob, log_prob, valid)
     adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
-    _, w, loss_mask, _, stats, partial_rows = _fipo_weight_tensors(d, adv, valid, params, row_keep_mask)
+    _, w, loss_mask, dropped, stats, partial_rows = _fipo_weight_tensors(d, adv, valid, params, row_keep_mask)
     per_token, clipped, dual_clipped = _surrogate(d, adv, w, params)
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(per_token))
-    loss = agg_loss(per_token, loss_mask, loss_agg_mode, **global_batch_info(config))
+    info = global_batch_info(config)
+    if row_keep_mask is None:  # with the plan's mask the count is the plan's: the step's kept tokens (rows)
+        info = _exact_counts(info, loss_agg_mode, valid, dropped)
+    loss = agg_loss(per_token, loss_mask, loss_agg_mode, **info)
     with torch.no_grad():
-        n_loss = loss_mask.sum().clamp(min=1).float()
+        n_kept = loss_mask.sum().float()
+        n_loss = n_kept.clamp(min=1)
         clip_stats = [(clipped & loss_mask).sum() / n_loss, (dual_clipped & loss_mask).sum() / n_loss]
-        values = torch.stack([*stats, *clip_stats, partial_rows.float()]).tolist()  # one host sync
+        values = torch.stack([*stats, *clip_stats, n_kept, partial_rows.float()]).tolist()  # one host sync
     if values[-1]:
         raise ValueError(f"fipo: row_keep_mask keeps only part of {int(values[-1])} row(s); FIPO drops whole "
                          "rows, so it takes only the mask plan_optimizer_batch('fipo', ...) made for this "
@@ -435,6 +467,10 @@ def compute_policy_loss_fipo(
     return loss, dict(zip(METRIC_KEYS, values[:-1]))
 
 
-__all__ = ["METRIC_DENOMINATORS", "METRIC_KEYS", "FIPOMetricParts", "FIPOParams", "FIPOWeights",
+__all__ = ["FRACTION_KEYS", "METRIC_DENOMINATORS", "METRIC_KEYS", "FIPOMetricParts", "FIPOParams", "FIPOWeights",
            "compute_policy_loss_fipo", "discounted_future_sum",
            "fipo_metric_parts", "fipo_params_from_config", "fipo_per_token_loss", "fipo_row_selector", "fipo_weights"]
+
+
+# Registration: the loss under its declaration (recipe/fipo/declaration.py), with what its step needs.
+register_policy_loss(DECLARATION, row_selector=fipo_row_selector)(compute_policy_loss_fipo)

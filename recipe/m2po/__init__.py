@@ -1,21 +1,11 @@
-"""M2PO as a registered policy loss: ``get_policy_loss_fn("m2po")``; threshold key ``m2_threshold`` (default 0.04)."""
+"""M2PO as a registered policy loss: ``get_policy_loss_fn("m2po")``; threshold key ``m2_threshold`` (default 0.04).
 
-from recipe.m2po.algorithm import (  # noqa: F401
-    DEFAULT_M2_THRESHOLD,
-    METRIC_KEYS,
-    QUADRANT_METRIC_KEYS,
-    QUADRANTS,
-    QuadrantWeights,
-    SELECTION_METRIC_KEYS,
-    M2POSelection,
-    compute_policy_loss_m2po,
-    m2_threshold_from_config,
-    m2po_batch_selector,
-    quadrant_weights,
-    select_m2po,
-    selection_from_mask,
-    trust_region_mask,
-)
-from recipe.registry import register_policy_loss
+Importing the package is torch-free: it holds the loss's declaration (``declaration.py``); the arithmetic
+(``algorithm.py``, torch) loads on the first attribute it provides, and registers the loss then.
+"""
 
-register_policy_loss("m2po", batch_selector=m2po_batch_selector)(compute_policy_loss_m2po)
+from recipe.m2po.declaration import DECLARATION  # noqa: F401
+from recipe.declaration import lazy_attributes
+
+__getattr__ = lazy_attributes(__name__)
+

@@ -41,20 +41,18 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.m2po.declaration import DECLARATION
+from recipe.registry import register_policy_loss
 from recipe.common import (
     agg_loss,
-    cfg_lookup,
     check_inputs,
     global_batch_info,
     masked_log_ratio,
-    read_float,
     clamp_log_ratio,
 )
 
-DEFAULT_M2_THRESHOLD = 0.04
-THRESHOLD_KEYS = ("policy_loss.m2_threshold", "m2_threshold")
-SCOPE_KEYS = ("policy_loss.m2_scope", "m2_scope")
-SCOPES = ("local", "dp_group")
+DEFAULT_M2_THRESHOLD = DECLARATION.param("m2_threshold").default
+from recipe.m2po.declaration import SCOPES  # noqa: E402,F401 - re-exported (the declaration owns it)
 
 SELECTION_METRIC_KEYS = (
     "m2po/m2_before",
@@ -168,15 +166,14 @@ class M2POSelection:
 
 
 def m2_threshold_from_config(config: Any) -> float:
-    """tau from ``config.policy_loss.m2_threshold``, else ``config.m2_threshold``, else 0.04."""
-    return read_float(config, THRESHOLD_KEYS, DEFAULT_M2_THRESHOLD, minimum=0.0)
+    """tau from ``config.policy_loss.m2_threshold``, else ``config.m2_threshold``, else 0.04 (the declaration's)."""
+    return DECLARATION.read(config).m2_threshold
 
 
 def m2_scope_from_config(config: Any) -> str:
-    scope, path = cfg_lookup(config, SCOPE_KEYS, "local")
-    if scope not in SCOPES:
-        raise ValueError(f"{path} must be one of {', '.join(SCOPES)}, got {scope!r}")
-    return scope
+    """The in-call selection scope; unset, ``local`` (a loss call cannot know the data-parallel group; the step
+    planner's default is the declaration's ``dp_group``)."""
+    return DECLARATION.read(config, framework="loss_call").m2_scope
 
 
 def trust_region_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -443,3 +440,7 @@ def compute_policy_loss_m2po(
     selection = replace(selection, quadrants=quadrant_weights(d, advantages, selection.trust_region, ~keep,
                                                               ratio=ratio, group=group))
     return loss, selection.metrics()
+
+
+# Registration: the loss under its declaration (recipe/m2po/declaration.py), with what its step needs.
+register_policy_loss(DECLARATION, batch_selector=m2po_batch_selector)(compute_policy_loss_m2po)

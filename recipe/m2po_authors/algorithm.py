@@ -44,6 +44,8 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.m2po_authors.declaration import DECLARATION
+from recipe.registry import register_policy_loss
 from recipe.common import agg_loss, check_inputs, global_batch_info, masked_log_ratio, clamp_log_ratio
 from recipe.m2po.algorithm import (
     _gather_variable,
@@ -267,3 +269,7 @@ def _local_bound_stats(d: torch.Tensor, advantages: torch.Tensor, valid: torch.T
         m2_capped = m2 if tau_c is None else (float(torch.clamp(v, max=tau_c * tau_c).sum()) / n if n else 0.0)
     return AuthorsBound(float(ratio_low[valid].min()) if high.numel() else 0.0, h, tau_c, m2, m2_capped,
                         int(valid.sum()), n, tau)
+
+
+# Registration: the loss under its declaration (recipe/m2po_authors/declaration.py), with what its step needs.
+register_policy_loss(DECLARATION, batch_selector=m2po_authors_batch_selector)(compute_policy_loss_m2po_authors)

@@ -1,4 +1,5 @@
-"""M2PO and the reference FIPO inside ms-swift's GRPO (HF backend), exact at the optimizer step.
+"""This project's losses (every loss of ``recipe.registry``: M2PO, the reference FIPO, the baselines, plugins) inside
+ms-swift's GRPO (HF backend), exact at the optimizer step.
 
 Use::
 
@@ -10,7 +11,17 @@ Use::
 :mod:`recipe.swift.trainer` (imported by the plugin) needs both. Details: docs/integrations/swift.md.
 """
 
-from recipe.swift.config import ENV_KEYS, LOSS_TYPES, check_swift_args, loss_config
+from typing import Any
+
+from recipe.swift.config import check_swift_args, loss_config
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ENV_KEYS", "LOSS_TYPES"):  # generated from the registry's declarations when asked
+        from recipe.swift import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'recipe.swift' has no attribute {name!r}")
 
 
 def plugin_path() -> str:

@@ -6,7 +6,11 @@ environment variables, which ms-swift's launcher (torchrun under ``NPROC_PER_NOD
 Every variable with the ``STALERL_`` loss prefixes is checked once, when the plugin is imported (before ms-swift
 loads the model): an unknown name, an unparsable value or an out-of-range one fails with one line naming it.
 
-The PPO clip of ``fipo_ref`` is ms-swift's own ``--epsilon`` / ``--epsilon_high``.
+The loss types and variables are generated from the losses' declarations (``recipe.registry.declarations()``,
+plugins included): ``--loss_type`` is the loss's name (``fipo_ref`` for the reference FIPO: ms-swift has its own
+``fipo``), each parameter's variable is ``STALERL_`` + its name in upper case, checked by the Param itself and the
+declaration's rules. The PPO clip of a loss that uses one (``fipo_ref``, ``vanilla``) is ms-swift's own
+``--epsilon`` / ``--epsilon_high``.
 
 Torch-free and ms-swift-free at import (the losses' own rules, which import torch, are imported when a config is
 checked): the CLI helper imports it without either.
@@ -15,57 +19,80 @@ checked): the CLI helper imports it without either.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-#: Loss types this adapter adds to ms-swift's ``--loss_type``; every other value is ms-swift's own.
-#: ``fipo_ref`` is the reference FIPO (``recipe.registry`` ``fipo``); ms-swift's own ``fipo`` stays as it is.
-LOSS_TYPES = {"m2po": "m2po", "fipo_ref": "fipo"}  # ms-swift loss_type -> recipe.registry name
+FRAMEWORK = "swift"
+def swift_loss_name(declaration: Any) -> str:
+    """A registry loss's ``--loss_type`` in ms-swift: its declared swift name where ms-swift already uses the name for
+    a loss of its own (FIPO: ms-swift's ``fipo`` stays ms-swift's, the registry's is ``fipo_ref``)."""
+    return declaration.name_in(FRAMEWORK)
 
-ENV_PREFIXES = ("STALERL_M2", "STALERL_FIPO_", "STALERL_SWIFT_")
 
-#: Opt-in (true/false, default false): when vLLM's rollout log-probs are missing for part of an optimizer step, use
-#: ms-swift's ``old_per_token_logps`` as the behaviour policy for the whole step (all micro-batches, all ranks) instead
-#: of refusing the step; every step then logs ``<loss>/behaviour_old_logps_fallback`` (1 when it fell back, else 0).
-OLD_LOGPS_FALLBACK_ENV = "STALERL_SWIFT_OLD_LOGPS_FALLBACK"
+def env_name(param: Any) -> str:
+    """The environment variable of a loss parameter: ``STALERL_`` + its ms-swift name, upper case."""
+    return "STALERL_" + param.name_in(FRAMEWORK).upper()
 
 
 @dataclass(frozen=True)
 class EnvKey:
     env: str
     key: str  # the registry config key (stalerl's actor.* name)
-    kind: str  # "float" or "bool"
+    kind: str  # "float", "bool" or "str"
     default: Any
-    minimum: Optional[float] = None
-    minimum_inclusive: bool = True
+    param: Any = None  # the loss's recipe.declaration.Param (None: an adapter setting)
     meaning: str = ""
 
 
-ENV_KEYS: dict[str, tuple[EnvKey, ...]] = {
-    "m2po": (
-        EnvKey("STALERL_M2_THRESHOLD", "m2_threshold", "float", 0.04, 0.0, True,
-               "M2PO's second-moment threshold tau"),
-    ),
-    "fipo_ref": (
-        EnvKey("STALERL_FIPO_DECAY_RATE", "fipo_decay_rate", "float", 32.0, 0.0, False,
-               "half-life in tokens of the Future-KL discount"),
-        EnvKey("STALERL_FIPO_CLIP_RATIO_C", "fipo_clip_ratio_c", "float", 10.0, 1.0, False,
-               "dual-clip constant c"),
-        EnvKey("STALERL_FIPO_INFLUENCE_CLIP_RATIO", "fipo_influence_clip_ratio", "float", 0.2, 0.0, True,
-               "influence-weight clip eps_f"),
-        EnvKey("STALERL_FIPO_INFLUENCE_CLIP_HIGH_ONLY", "fipo_influence_clip_high_only", "bool", True, None, True,
-               "clip the influence weight to [1, 1+eps_f] (true) or [1-eps_f, 1+eps_f] (false)"),
-        EnvKey("STALERL_FIPO_SAFETY_THRESHOLD", "fipo_safety_threshold", "float", 10.0, 0.0, False,
-               "ratio above which an A<0 token's weight is reset into [0.8, 1]"),
-    ),
-}
+def _env_keys() -> "dict[str, tuple[EnvKey, ...]]":
+    """{ms-swift loss_type: its EnvKeys}, generated from every registered loss's declaration (plugins included); a
+    step-scope parameter is the adapter's business (it always plans the whole step over every process)."""
+    from recipe.registry import declarations
+
+    out = {}
+    for decl in declarations().values():
+        out[swift_loss_name(decl)] = tuple(
+            EnvKey(env_name(p), p.name, {bool: "bool", str: "str"}.get(p.kind, "float"), p.default_in(FRAMEWORK), p,
+                   p.help) for p in decl.params if not p.step_scope)
+    return out
+
+
+def swift_loss_types() -> "dict[str, str]":
+    """{ms-swift ``--loss_type``: ``recipe.registry`` name} of every registered loss (plugins included)."""
+    from recipe.registry import declarations
+
+    return {swift_loss_name(decl): decl.name for decl in declarations().values()}
+
+
+#: Opt-in (true/false, default false): when vLLM's rollout log-probs are missing for part of an optimizer step, use
+#: ms-swift's ``old_per_token_logps`` as the behaviour policy for the whole step (all micro-batches, all ranks) instead
+#: of refusing the step; every step then logs ``<loss>/behaviour_old_logps_fallback`` (1 when it fell back, else 0).
+OLD_LOGPS_FALLBACK_ENV = "STALERL_SWIFT_OLD_LOGPS_FALLBACK"
 ADAPTER_ENV_KEYS = (
-    EnvKey(OLD_LOGPS_FALLBACK_ENV, "old_logps_fallback", "bool", False, None, True,
+    EnvKey(OLD_LOGPS_FALLBACK_ENV, "old_logps_fallback", "bool", False, None,
            "fall back to ms-swift's old_per_token_logps for a step whose rollout log-probs are incomplete"),
 )
-ALL_ENV_NAMES = tuple(k.env for keys in ENV_KEYS.values() for k in keys) + tuple(k.env for k in ADAPTER_ENV_KEYS)
+
+
+def _all_env_names() -> tuple[str, ...]:
+    return tuple(k.env for keys in _env_keys().values() for k in keys) + tuple(k.env for k in ADAPTER_ENV_KEYS)
+
+
+def _env_prefixes() -> tuple[str, ...]:
+    """Variables with these prefixes are this adapter's: an unknown one (a typo) is refused. ``STALERL_`` + the first
+    word of every loss parameter (``STALERL_M2``, ``STALERL_FIPO``, ...), and ``STALERL_SWIFT_``."""
+    words = {k.env.split("_")[1] for keys in _env_keys().values() for k in keys}
+    return tuple(sorted(f"STALERL_{w}" for w in words)) + ("STALERL_SWIFT_",)
+
+
+def __getattr__(name: str) -> Any:  # generated when asked: plugin losses registered late are included
+    lazy = {"ENV_KEYS": _env_keys, "LOSS_TYPES": swift_loss_types, "ALL_ENV_NAMES": _all_env_names,
+            "ENV_PREFIXES": _env_prefixes}
+    if name in lazy:
+        return lazy[name]()
+    raise AttributeError(f"module 'recipe.swift.config' has no attribute {name!r}")
+
 
 #: ms-swift flags that configure its *own* fipo; with ``fipo_ref`` a non-default value would be silently ignored,
 #: so it is refused (name, ms-swift default, the variable to use instead).
@@ -82,61 +109,72 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _parse(spec: EnvKey, raw: str) -> Any:
+    """The variable's value: a boolean from its text, else the Param's own check (numbers, bounds, choices)."""
     text = raw.strip()
     if spec.kind == "bool":
         if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ValueError(f"{spec.env}={raw!r} is not a boolean; expected true or false ({spec.meaning}). "
-                         f"Fix: export {spec.env}={'true' if spec.default else 'false'}")
+            value: Any = True
+        elif text.lower() in _FALSE:
+            value = False
+        else:
+            raise ValueError(f"{spec.env}={raw!r} is not a boolean; expected true or false ({spec.meaning}). "
+                             f"Fix: export {spec.env}={'true' if spec.default else 'false'}")
+        return value
+    if spec.param is None:
+        return text
+    value = text
+    if spec.kind == "float":  # the environment holds text: a number is parsed here, then checked by the Param
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{spec.env}={raw!r} is not a number; expected a float ({spec.meaning}, default "
+                             f"{spec.default}). Fix: export {spec.env}={spec.default}") from None
     try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{spec.env}={raw!r} is not a number; expected a float ({spec.meaning}, default "
-                         f"{spec.default}). Fix: export {spec.env}={spec.default}") from None
-    bad_range = spec.minimum is not None and (value < spec.minimum or (value == spec.minimum
-                                                                       and not spec.minimum_inclusive))
-    if not math.isfinite(value) or bad_range:
-        bound = f"{'>=' if spec.minimum_inclusive else '>'} {spec.minimum}"
-        raise ValueError(f"{spec.env}={raw!r} is out of range; expected a finite number {bound} ({spec.meaning}). "
-                         f"Fix: export {spec.env}={spec.default}")
-    return value
+        return spec.param.check(value, spec.env, framework=FRAMEWORK)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"Fix: set {spec.env}=", f"Fix: export {spec.env}=")) from None
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
     """Refuse a ``STALERL_M2*`` / ``STALERL_FIPO_*`` variable this adapter does not know (a typo would be ignored)."""
     environ = os.environ if environ is None else environ
+    known, prefixes = _all_env_names(), _env_prefixes()
     for name in sorted(environ):
-        if name.startswith(ENV_PREFIXES) and name not in ALL_ENV_NAMES:
-            close = difflib.get_close_matches(name, ALL_ENV_NAMES, n=1)
+        if name.startswith(prefixes) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
             hint = f" Did you mean {close[0]}?" if close else ""
             raise ValueError(f"unknown loss setting {name} in the environment;{hint} known: "
-                             f"{', '.join(ALL_ENV_NAMES)}. Fix: rename or unset it")
+                             f"{', '.join(known)}. Fix: rename or unset it")
 
 
 def loss_config(loss_type: str, *, epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
                 environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The registry config of ``loss_type`` (``m2po`` or ``fipo_ref``) from the environment, validated."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type {loss_type!r} is not one of this adapter's: {', '.join(LOSS_TYPES)}")
+    """The registry config of ``loss_type`` (an ms-swift ``--loss_type`` of this adapter) from the environment,
+    checked by the loss's Params and its declaration's rules; the PPO clip from ``--epsilon`` / ``--epsilon_high``
+    for a loss that uses it."""
+    from recipe.registry import declarations
+
+    decls = {swift_loss_name(d): d for d in declarations().values()}
+    if loss_type not in decls:
+        raise ValueError(f"loss_type {loss_type!r} is not one of this adapter's: {', '.join(decls)}")
+    decl = decls[loss_type]
     environ = os.environ if environ is None else environ
     check_environment(environ)
     config: dict[str, Any] = {}
-    for spec in ENV_KEYS[loss_type]:
+    specs = _env_keys()[loss_type]
+    for spec in specs:
         raw = environ.get(spec.env)
         config[spec.key] = spec.default if raw is None or raw.strip() == "" else _parse(spec, raw)
-    if loss_type == "m2po":
-        from recipe.m2po.algorithm import m2_threshold_from_config  # the loss's own rule (imports torch)
-
-        try:
-            m2_threshold_from_config(config)
-        except ValueError as exc:
-            raise ValueError(f"m2po: {str(exc).replace('m2_threshold', 'STALERL_M2_THRESHOLD')}") from None
-    if loss_type == "fipo_ref":
-        config["clip_ratio_low"] = float(epsilon_low)
-        config["clip_ratio_high"] = float(epsilon_low if epsilon_high is None else epsilon_high)
-        _validate_fipo(config)
+    low = float(epsilon_low)
+    clip = (low, float(low if epsilon_high is None else epsilon_high))
+    problems = decl.problems(config, clip)
+    if problems:
+        env = {spec.key: spec.env for spec in specs}
+        message = "; ".join(f"{env.get(key, key)} {msg}" for key, msg in problems)
+        raise ValueError(f"{loss_type}: {message} (settings come from {', '.join(env.values())}; the PPO clip from "
+                         "--epsilon/--epsilon_high)")
+    if decl.uses_ppo_clip:
+        config["clip_ratio_low"], config["clip_ratio_high"] = clip
     return config
 
 
@@ -188,20 +226,6 @@ def behaviour_source(loss_type: str, *, every_rollout: bool, any_rollout: bool, 
     return OLD, True
 
 
-def _validate_fipo(config: dict[str, Any]) -> None:
-    """The cross-key rules of the reference FIPO, with the messages naming the environment variables."""
-    from recipe.fipo.algorithm import fipo_params_from_config  # the rules live with the loss (imports torch)
-
-    try:
-        fipo_params_from_config(config)
-    except ValueError as exc:
-        message = str(exc)
-        for spec in sorted(ENV_KEYS["fipo_ref"], key=lambda k: -len(k.key)):
-            message = message.replace(f"set {spec.key}=", f"export {spec.env}=").replace(spec.key, spec.env)
-        raise ValueError(f"fipo_ref: {message} (settings come from {', '.join(k.env for k in ENV_KEYS['fipo_ref'])}; "
-                         "the PPO clip from --epsilon/--epsilon_high)") from None
-
-
 def check_swift_args(args: Any) -> None:
     """Refuse, with one line naming the flag, the ms-swift settings the recipe losses do not implement.
 
@@ -209,7 +233,8 @@ def check_swift_args(args: Any) -> None:
     given ms-swift version lacks counts as unset). Does nothing for ms-swift's own loss types.
     """
     loss_type = getattr(args, "loss_type", None)
-    if loss_type not in LOSS_TYPES:
+    names = swift_loss_types()
+    if loss_type not in names:
         return
     from recipe.versions import check_framework_version
 
@@ -263,7 +288,7 @@ def check_swift_args(args: Any) -> None:
     if spg is not None and int(spg) % ga != 0:
         refuse("steps_per_generation", spg, f"an optimizer step ({ga} micro-batches) must lie inside one generation "
                "batch for the whole-step selection and token count", f"a multiple of --gradient_accumulation_steps {ga}")
-    if loss_type == "fipo_ref":
+    if names[loss_type] == "fipo":
         for flag, default, env in SWIFT_FIPO_FLAGS:
             value = getattr(args, flag, default)
             if value != default:
@@ -271,6 +296,6 @@ def check_swift_args(args: Any) -> None:
                        "settings from the environment", f"unset --{flag} and export {env}")
     else:
         if getattr(args, "delta", None) is not None:
-            refuse("delta", args.delta, "M2PO has no clipping", "drop --delta")
+            refuse("delta", args.delta, "ms-swift's two-sided clip is not part of the loss's objective", "drop --delta")
     loss_config(loss_type, epsilon_low=float(getattr(args, "epsilon", 0.2)),
                 epsilon_high=getattr(args, "epsilon_high", None))

@@ -1,4 +1,5 @@
-"""ms-swift's HF GRPO trainer with the recipe losses: ``--loss_type m2po`` and ``--loss_type fipo_ref``.
+"""ms-swift's HF GRPO trainer with the recipe losses: every ``recipe.registry`` loss as a ``--loss_type`` (``m2po``,
+``fipo_ref``, the baselines, plugins).
 
 A subclass of ``swift.rlhf_trainers.GRPOTrainer`` (ms-swift 4.6) that overrides only
 ``_compute_loss_and_metrics``, and only for this adapter's loss types; every other ``loss_type`` runs ms-swift's own
@@ -27,7 +28,8 @@ of it is refused, or, with ``STALERL_SWIFT_OLD_LOGPS_FALLBACK=true``, uses ``old
 ``<loss>/behaviour_old_logps_fallback`` every step; under ``--async_generate`` without rollout log-probs it is refused.
 
 The step window is :class:`recipe.hf_step.StepWindow` (shared with the TRL adapter); metrics follow
-:class:`recipe.hf_step.StepMetrics` (``m2po/*``, ``fipo/*`` over the step's micro-batches and ranks, once per step).
+:class:`recipe.hf_step.StepMetrics` (whatever keys the loss returns, over the step's micro-batches and ranks by the
+loss's declared rules, plus the plan's step-wide values, once per step).
 """
 
 from __future__ import annotations
@@ -36,18 +38,18 @@ from typing import Any, Optional
 
 import torch
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection, check_sharding_backend
+from recipe.hf_step import StepMetrics, StepWindow, check_sharding_backend
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
-from recipe.registry import get_policy_loss_fn
+from recipe.registry import get_policy_loss_spec
 from recipe.swift.config import (
     CURRENT,
-    LOSS_TYPES,
     OLD,
     ROLLOUT,
     behaviour_source,
     check_swift_args,
     loss_config,
     old_logps_fallback,
+    swift_loss_types,
 )
 from recipe.versions import check_framework_version
 
@@ -61,18 +63,22 @@ except ImportError as exc:  # pragma: no cover - exercised only without ms-swift
 
 
 class GRPOTrainer(SwiftGRPOTrainer):
-    """ms-swift's GRPOTrainer; ``loss_type`` ``m2po`` / ``fipo_ref`` use ``recipe.registry``'s losses exactly."""
+    """ms-swift's GRPOTrainer; a ``loss_type`` of ``recipe.registry`` (``m2po``, ``fipo_ref``, ...) runs that loss,
+    exact at the optimizer step."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_framework_version("ms-swift", where="recipe.swift")
         training_args = kwargs["args"]
         loss_type = getattr(training_args, "loss_type", None)
-        self._recipe_loss_type: Optional[str] = loss_type if loss_type in LOSS_TYPES else None
+        ours = swift_loss_types()
+        self._recipe_loss_type: Optional[str] = loss_type if loss_type in ours else None
+        self._recipe_loss: Optional[str] = ours.get(loss_type)  # its recipe.registry name
         if self._recipe_loss_type is not None:
             check_swift_args(training_args)  # already run at argument parsing by the plugin; cheap, and safe
             self._recipe_config = loss_config(
                 loss_type, epsilon_low=float(training_args.epsilon), epsilon_high=training_args.epsilon_high)
-            self._recipe_fn = get_policy_loss_fn(LOSS_TYPES[loss_type])
+            self._recipe_spec = get_policy_loss_spec(self._recipe_loss)
+            self._recipe_fn = self._recipe_spec.fn
             self._recipe_old_fallback = old_logps_fallback()
         self._recipe_window = StepWindow("recipe.swift")
         self._recipe_metrics = StepMetrics()
@@ -171,7 +177,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
                 logps = batch.completion_mask.float()
             micro.append(MicroBatch(self._recipe_behaviour(batch, logps).float(), logps.float(),
                                     batch.advantages.float(), self._recipe_valid_mask(batch)))
-        return plan_optimizer_batch(LOSS_TYPES[self._recipe_loss_type], micro, self._recipe_config,
+        return plan_optimizer_batch(self._recipe_loss, micro, self._recipe_config,
                                     group=self._recipe_group())
 
     def _recipe_selects(self, window: int) -> bool:
@@ -179,7 +185,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
         from recipe.registry import needs_step_log_probs
 
         # M2PO's batch selection and FIPO's row drops both decide from the step's current log-probs
-        if not needs_step_log_probs(LOSS_TYPES[self._recipe_loss_type]):
+        if not needs_step_log_probs(self._recipe_loss):
             return False
         return window > 1 or self._recipe_group() is not None
 
@@ -203,7 +209,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
             plan, pos = self._recipe_step_plan(model, grpo_batch, per_token_logps)
         else:  # evaluation: no optimizer step, the micro-batch alone
             self._recipe_decide_source([grpo_batch])
-            plan, pos = plan_optimizer_batch(LOSS_TYPES[self._recipe_loss_type], [MicroBatch(
+            plan, pos = plan_optimizer_batch(self._recipe_loss, [MicroBatch(
                 self._recipe_behaviour(grpo_batch, per_token_logps).float(), per_token_logps.detach().float(),
                 grpo_batch.advantages.float(), mask)], self._recipe_config, group=self._recipe_group()), 0
         config = plan.config_for(self._recipe_config)
@@ -222,9 +228,7 @@ class GRPOTrainer(SwiftGRPOTrainer):
             kl_mean = (kl_sum / mask.sum().clamp(min=1)).detach()
         if training and not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             loss = loss * self._recipe_accumulation_steps()  # HF's Trainer divides by it; the denominator is global
-        self._recipe_log_metrics(mode, plan, pos, self._recipe_window.size if training else 1, dict(
-            old_log_prob=behaviour, log_prob=per_token_logps, advantages=grpo_batch.advantages, response_mask=mask,
-            config=config))
+        self._recipe_log_metrics(mode, plan, pos, self._recipe_window.size if training else 1, mask, metrics)
         metrics_data: dict[str, Any] = {"mode": mode, "entropy": {}, "completion_mask": mask,
                                         "completion_token_count": mask.sum().clamp(min=1)}
         if kl_mean is not None:
@@ -233,21 +237,19 @@ class GRPOTrainer(SwiftGRPOTrainer):
 
 
     def _recipe_log_metrics(self, mode: str, plan: OptimizerBatchPlan, pos: int, step_size: int,
-                            loss_inputs: dict[str, Any]) -> None:
-        """``m2po/*`` / ``fipo/*`` of the whole optimizer step (all micro-batches, all ranks), appended to ms-swift's
-        ``_metrics`` once, at the step's last micro-batch; with the old-log-prob opt-in, whether this step used it."""
+                            mask: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """The loss's metrics of the whole optimizer step (all micro-batches, all ranks; the declared rules, then the
+        plan's step-wide values), appended to ms-swift's ``_metrics`` once, at the step's last micro-batch; with the
+        old-log-prob opt-in, whether this step used it."""
         acc = self._recipe_metrics
-        prefix = "m2po" if self._recipe_loss_type == "m2po" else "fipo"
         if pos == 0:
-            add_plan_selection(acc, plan)
+            acc.add_plan(plan)
             if self._recipe_old_fallback:
-                acc.add_constant(f"{prefix}/behaviour_old_logps_fallback", 1.0 if self._recipe_fell_back else 0.0)
-        if prefix == "fipo":
-            add_fipo_micro_batch(acc, loss_inputs["old_log_prob"], loss_inputs["log_prob"], loss_inputs["advantages"],
-                                 loss_inputs["response_mask"], loss_inputs["config"])
+                acc.add_constant(f"{self._recipe_loss}/behaviour_old_logps_fallback",
+                                 1.0 if self._recipe_fell_back else 0.0)
+        acc.add(mask, metrics)
         if pos == step_size - 1:
-            device = loss_inputs["response_mask"].device
-            for key, value in acc.reduce(self._recipe_group(), device=device).items():
+            for key, value in acc.reduce(self._recipe_spec.declaration.metrics, self._recipe_group()).items():
                 self._metrics[mode][key].append(float(value))
 
 

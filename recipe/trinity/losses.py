@@ -31,25 +31,30 @@ M2PO's ratio must be against the behaviour (rollout) policy: the loss also reads
 when ``old_log_probs`` differs from it on a valid token (``algorithm.bypass_old_logprobs: false`` recomputes them
 with the trainer's weights, which hides the staleness M2PO is about).
 
-Metrics: ``m2po/*`` and ``fipo/*`` of the whole optimizer mini-batch (all ranks; FIPO's fractions are pooled
-numerators over pooled denominators, one all-reduce), identical on every micro-batch and rank of an exact step, so
-whatever mean Trinity/verl take over micro-batches and ranks logs the step's value.
+Every registered loss has a class here (:func:`policy_loss_class`; ``recipe.trinity.<Name>PolicyLossFn``, e.g.
+``FIPOPolicyLossFn``, a plugin's ``ThrowawayPolicyLossFn``): its ``policy_loss_fn_args`` are the loss's declared
+parameters (``recipe/<loss>/declaration.py``, checked there), the PPO clip when the loss uses it, and the adapter's
+own. A loss whose step needs a decision (M2PO's selection, FIPO's sequence drop) is planned by
+``recipe.optimizer_batch.plan_optimizer_batch`` over the call and every rank of the group.
+
+Metrics: the loss's keys (``m2po/*``, ``fipo/*``, ...) of the whole optimizer mini-batch (all ranks: a batch
+selector's step-wide diagnostics, or every rank's metrics combined by ``recipe.declaration.reduce_metrics`` with the
+loss's declared rules, one all-gather), identical on every micro-batch and rank of an exact step, so whatever mean
+Trinity/verl take over micro-batches and ranks logs the step's value.
 """
 
 from __future__ import annotations
 
 import difflib
 import sys
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 
-from recipe.common import masked_log_ratio
-from recipe.fipo.algorithm import METRIC_DENOMINATORS, METRIC_KEYS, fipo_metric_parts, fipo_params_from_config
-from recipe.m2po.algorithm import m2_scope_from_config, m2_threshold_from_config
-from recipe.optimizer_batch import with_global_batch_info
-from recipe.registry import get_policy_loss_fn
+from recipe.declaration import LossDeclaration, Param, reduce_metrics
+from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch, with_global_batch_info
+from recipe.registry import declarations, get_declaration, get_policy_loss_spec
 from recipe.versions import check_framework_version, installed_version, parse_version
 
 # The keyword names (Trinity's) that carry verl's global batch information on the engine path.
@@ -135,9 +140,15 @@ def _refuse_unknown(cls_name: str, unknown: Dict[str, Any], known: Tuple[str, ..
                      f"{', '.join(known)}")
 
 
-def _with_key_path(cls_name: str, exc: ValueError) -> ValueError:
-    """The recipe's message names the bare key (``m2_threshold must be ...``); say where it is set in Trinity."""
-    return ValueError(f"{cls_name}: {ARGS_PATH}.{exc}")
+#: The framework name under which the loss declarations name and default Trinity's keys (``Param.name_in``).
+FRAMEWORK = "trinity"
+#: A step-scope parameter's Trinity value (M2PO's ``m2_scope``) that picks the scope from the data-parallel size:
+#: ``dp_group`` (one decision over all ranks) with more than one rank, else ``local``. Trinity's default.
+AUTO = "auto"
+#: The arguments of every class besides the loss's own parameters (and the PPO clip of a loss that uses it).
+COMMON_KEYS = ("loss_agg_mode", "allow_split_mini_batch", "assume_one_micro_batch", "batch_num_tokens_from_data")
+#: The PPO clip under stalerl's names, for a loss that declares ``uses_ppo_clip``.
+CLIP_KEYS = ("eps_clip", "eps_clip_higher")
 
 
 def _world_size() -> int:
@@ -145,19 +156,32 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduce_sum(values: List[float], like: torch.Tensor) -> List[float]:
-    """Sum ``values`` over the default process group (a no-op in a world of one). float64: exact token counts."""
-    out = torch.tensor(values, dtype=torch.float64, device=like.device)
-    if _world_size() > 1:
-        torch.distributed.all_reduce(out)
-    return out.tolist()
+def _world_group() -> Optional[Any]:
+    return torch.distributed.group.WORLD if _world_size() > 1 else None
+
+
+def _pooled_over_ranks(metrics: Dict[str, float], counts: Dict[str, float], rules: Any,
+                       like: torch.Tensor) -> Dict[str, float]:
+    """This rank's metrics combined with every rank's by the loss's declared rules (``reduce_metrics``): one
+    all-gather of ``[valid_tokens, rows, *values]`` (the same keys on every rank: the registry's contract)."""
+    world = _world_size()
+    if world == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    mine = torch.tensor([counts["valid_tokens"], counts["rows"], *(float(metrics[k]) for k in keys)],
+                        dtype=torch.float64, device=like.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(every, mine)
+    parts = [({"valid_tokens": v[0], "rows": v[1]}, dict(zip(keys, v[2:]))) for v in (t.tolist() for t in every)]
+    return reduce_metrics(parts, rules)
 
 
 class _RecipeLoss:
-    """What the two classes share: argument checks, the engine/legacy decision and the call itself.
+    """What every class shares: the arguments (generated from the loss's declaration), the engine/legacy decision
+    and the call itself, by what the loss's step needs (its declaration's ``step``).
 
     Not a PolicyLossFn: Trinity's metaclass needs ``__call__`` in each class body (it reads its signature there), so
-    every loss class below declares its own ``__call__`` and hands over to :meth:`_compute`.
+    every loss class declares its own ``__call__`` and hands over to :meth:`_compute`.
     """
 
     loss_name: str
@@ -167,6 +191,84 @@ class _RecipeLoss:
     allow_split_mini_batch: bool
     assume_one_micro_batch: bool
     _init_args: Dict[str, Any]  # the constructor's arguments, for pickling and repr
+
+    # ------------------------------------------------------------------------------------- generated arguments
+
+    @classmethod
+    def declaration(cls) -> LossDeclaration:
+        return get_declaration(cls.loss_name)
+
+    @classmethod
+    def arg_keys(cls) -> Tuple[str, ...]:
+        """The accepted ``policy_loss_fn_args``: the loss's parameters (their Trinity names), the PPO clip when the
+        loss uses it, and the adapter's own."""
+        decl = cls.declaration()
+        return (*(p.name_in(FRAMEWORK) for p in decl.params), *(CLIP_KEYS if decl.uses_ppo_clip else ()),
+                *COMMON_KEYS)
+
+    @classmethod
+    def default_args(cls) -> Dict[str, Any]:
+        """What Trinity fills in when the config gives no arguments: the declared defaults (``auto`` for a
+        step-scope parameter), the PPO clip and token-mean."""
+        decl = cls.declaration()
+        out: Dict[str, Any] = {p.name_in(FRAMEWORK): (AUTO if p.step_scope else p.default_in(FRAMEWORK))
+                               for p in decl.params}
+        if decl.uses_ppo_clip:
+            out["eps_clip"] = 0.2
+        out["loss_agg_mode"] = "token-mean"
+        return out
+
+    def __init__(self, backend: str = "verl", **args: Any) -> None:
+        name = type(self).__name__
+        known = self.arg_keys()
+        _refuse_unknown(name, {k: v for k, v in args.items() if k not in known}, known)
+        _check_backend(name, backend)
+        super().__init__(backend=backend)  # type: ignore[call-arg] - PolicyLossFn's
+        decl = self.declaration()
+        defaults = {**self.default_args(), "eps_clip_higher": None, "allow_split_mini_batch": False,
+                    "assume_one_micro_batch": False, "batch_num_tokens_from_data": AUTO}
+        given = {key: args.get(key, defaults.get(key)) for key in known}
+        self._init_args = {"backend": backend, **given}
+        config: Dict[str, Any] = {}
+        self.step_scope: Optional[str] = None
+        for p in decl.params:
+            key = p.name_in(FRAMEWORK)
+            config[p.name] = self._check_param(p, key, given[key])
+        if decl.uses_ppo_clip:
+            low = self._check_clip("eps_clip", given["eps_clip"])
+            high = None if given["eps_clip_higher"] is None else self._check_clip("eps_clip_higher",
+                                                                                  given["eps_clip_higher"])
+            config.update(eps_clip=low, eps_clip_higher=high)
+            clip = (low, low if high is None else high)
+        else:
+            clip = (0.2, 0.2)
+        try:  # the declaration's cross-parameter rules (one validation)
+            decl.raise_problems({p.name: config[p.name] for p in decl.params}, clip, where=f"{ARGS_PATH}.")
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        self._recipe_config = {k: v for k, v in config.items() if v is not None}
+        self._init_common(given["loss_agg_mode"], given["batch_num_tokens_from_data"],
+                          given["allow_split_mini_batch"], given["assume_one_micro_batch"])
+
+    def _check_param(self, p: Param, key: str, value: Any) -> Any:
+        name = type(self).__name__
+        if p.step_scope:
+            if value != AUTO and (not isinstance(value, str) or value not in (p.choices or ())):
+                choices = ", ".join((AUTO, *(p.choices or ())))
+                raise ValueError(f"{name}: {ARGS_PATH}.{key} must be one of {choices}, got {value!r}; {AUTO} (the "
+                                 "default) is the exact one")
+            self.step_scope = value
+            return None  # the in-call value is the plan's (module doc); the scope is resolved per call
+        try:  # the declaration's check of the key (one validation)
+            return p.check(value, f"{ARGS_PATH}.{key}")
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    def _check_clip(self, key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.{key} must be a number >= 0, got {value!r}. Fix: "
+                             f"set {key}=0.2")
+        return float(value)
 
     def _init_common(self, loss_agg_mode: str, batch_num_tokens_from_data: Union[bool, str, None],
                      allow_split_mini_batch: Any, assume_one_micro_batch: Any) -> None:
@@ -208,10 +310,11 @@ class _RecipeLoss:
         out["pg_loss"] = float(loss.detach().item())
         return loss, out
 
-    def _registry(self, logprob, old_logprob, valid, advantages, config) -> Tuple[torch.Tensor, Dict[str, float]]:
-        return get_policy_loss_fn(self.loss_name)(
+    def _registry(self, logprob, old_logprob, valid, advantages, config, **extras) -> Tuple[torch.Tensor, Dict]:
+        loss, metrics = get_policy_loss_spec(self.loss_name).fn(
             old_log_prob=old_logprob, log_prob=logprob, advantages=advantages, response_mask=valid,
-            loss_agg_mode=self.loss_agg_mode, config=config)
+            loss_agg_mode=self.loss_agg_mode, config=config, **extras)
+        return loss, {k: float(v) for k, v in metrics.items()}
 
     def _check_behaviour(self, old_logprob, rollout_log_probs, valid) -> None:
         """Overridden by M2PO (its ratio needs the behaviour log-probs)."""
@@ -223,6 +326,79 @@ class _RecipeLoss:
                              f"({world} ranks), but the data-parallel size is {dp_size} (sequence parallelism "
                              "duplicates tokens across ranks), so no exact cross-rank reduction is available; set "
                              "trainer.ulysses_sequence_parallel_size: 1")
+
+    def resolved_scope(self, dp_size: int) -> str:
+        """The plan's scope for ``dp_size`` ranks (a loss with a step-scope parameter, M2PO's ``m2_scope``; others:
+        ``dp_group``): ``auto`` is ``dp_group`` with more than one rank."""
+        scope = self.step_scope if self.step_scope is not None else "dp_group"
+        if scope == AUTO:
+            return "dp_group" if dp_size > 1 else "local"
+        if scope == "local" and dp_size > 1 and not self.allow_split_mini_batch:
+            key = next(p.name_in(FRAMEWORK) for p in self.declaration().params if p.step_scope)
+            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.{key}=local selects over one rank's tokens, but "
+                             f"the optimizer mini-batch spans {dp_size} data-parallel ranks. Fix: {key}: auto (or "
+                             "dp_group); or allow_split_mini_batch: true to accept per-rank selections (logged)")
+        return scope
+
+    def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
+        """verl's engine path: ``batch_num_tokens`` (all ranks) and ``dp_size`` in the data. A loss whose step needs a
+        decision is planned by ``recipe.optimizer_batch`` over this call (one micro-batch per rank: the whole
+        mini-batch) and every rank of the group; the metrics are the step's, the same on every rank."""
+        decl = self.declaration()
+        counts = {"valid_tokens": float(valid.sum()), "rows": float(valid.shape[0])}
+        flags: Dict[str, float] = {}
+        if decl.step == "nothing":  # token-mean over verl's count is exact whatever the split
+            config = with_global_batch_info(self._recipe_config, num_tokens=batch_num_tokens, dp_size=dp_size)
+            loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
+            pooled = _world_size() == dp_size
+            return loss, (_pooled_over_ranks(metrics, counts, decl.metrics, valid) if pooled else metrics)
+        what = ("the step's decision" if decl.step == "batch_selector" else "the tokens of the rows it drops") + \
+            f" ({self.loss_name})"
+        if decl.step == "batch_selector":
+            scope = self.resolved_scope(dp_size)
+            group = None
+            if scope == "dp_group":
+                keys = [p.name_in(FRAMEWORK) for p in decl.params if p.step_scope]
+                self._check_world(dp_size, f"{keys[0]}=dp_group" if keys else f"{self.loss_name}'s step decision")
+                group = _world_group()
+            elif dp_size == 1 and int(counts["valid_tokens"]) != batch_num_tokens and not self.allow_split_mini_batch:
+                raise self._split_error(int(counts["valid_tokens"]), batch_num_tokens, dp_size, what)  # before work
+        else:  # row_selector: the rows never span micro-batches; the kept-token count spans all ranks
+            self._check_world(dp_size, f"{self.loss_name}'s step-wide token count")
+            group = _world_group()
+        step = MicroBatch(old_log_prob=old_logprob, log_prob=logprob.detach(), advantages=advantages,
+                          response_mask=valid)
+        plan = plan_optimizer_batch(self.loss_name, [step], self._recipe_config, group=group)
+        covered = plan.row_drops.num_valid_tokens if plan.row_drops is not None else plan.num_tokens
+        split = covered != batch_num_tokens
+        if split and not self.allow_split_mini_batch:
+            raise self._split_error(covered, batch_num_tokens, dp_size, what)
+        if self.allow_split_mini_batch:
+            flags[f"{self.loss_name}/split_mini_batch"] = float(split)
+        # exact: the plan's count of the mini-batch (FIPO: its kept tokens); opted in and split: verl's count
+        num_tokens = batch_num_tokens if split else plan.num_tokens
+        config = with_global_batch_info(self._recipe_config, num_tokens=num_tokens, dp_size=dp_size)
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config, **plan.extras[0])
+        group_wide = plan.selection is not None and group is not None
+        if plan.selection is not None:  # the step's diagnostics, over the group (the loss's are this call's)
+            metrics = {**metrics, **plan.selection.metrics()}
+        if not group_wide and _world_size() == dp_size:  # this rank's: combined with every rank's
+            metrics = _pooled_over_ranks(metrics, counts, decl.metrics, valid)
+        return loss, {**metrics, **flags}
+
+    def _legacy_call(self, logprob, old_logprob, valid, advantages):
+        flags = self._legacy_preamble()
+        # Every valid token of the (single) micro-batch: Trinity's fix_actor_microbatch_loss_scale then is a no-op.
+        # A loss whose step needs a decision decides on this call, which is the step (one micro-batch, one rank).
+        config = dict(self._recipe_config)
+        if self.declaration().step == "batch_selector":
+            config = with_global_batch_info({**config, **self._in_call_scope()}, num_tokens=int(valid.sum()),
+                                            dp_size=1)
+        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
+        return loss, {**metrics, **flags}
+
+    def _in_call_scope(self) -> Dict[str, Any]:
+        return {p.name: "local" for p in self.declaration().params if p.step_scope}
 
     def _split_error(self, covered: int, batch_num_tokens: int, dp_size: int, what: str) -> ValueError:
         ranks = f" over all {dp_size} data-parallel ranks" if dp_size > 1 else ""
@@ -265,38 +441,11 @@ class M2POPolicyLossFn(_RecipeLoss, PolicyLossFn):
     refused with more than one rank unless ``allow_split_mini_batch``), ``loss_agg_mode`` (Trinity overwrites it
     with ``algorithm.loss_agg_mode``; token-mean only), ``allow_split_mini_batch`` (false: a mini-batch that verl
     splits into micro-batches is refused; true: select per micro-batch, logged as ``m2po/split_mini_batch``),
-    ``assume_one_micro_batch`` (legacy path only), ``batch_num_tokens_from_data`` (``auto``).
+    ``assume_one_micro_batch`` (legacy path only), ``batch_num_tokens_from_data`` (``auto``). The keys, defaults and
+    checks of the loss's own parameters come from its declaration (recipe/m2po/declaration.py).
     """
 
     loss_name = "m2po"
-    ARG_KEYS = ("m2_threshold", "m2_scope", "loss_agg_mode", "allow_split_mini_batch", "assume_one_micro_batch",
-                "batch_num_tokens_from_data")
-    SCOPES = ("auto", "local", "dp_group")
-
-    def __init__(self, backend: str = "verl", m2_threshold: float = 0.04, m2_scope: str = "auto",
-                 loss_agg_mode: str = "token-mean", allow_split_mini_batch: bool = False,
-                 assume_one_micro_batch: bool = False, batch_num_tokens_from_data: Union[bool, str] = "auto",
-                 **unknown: Any) -> None:
-        name = type(self).__name__
-        _refuse_unknown(name, unknown, self.ARG_KEYS)
-        _check_backend(name, backend)
-        super().__init__(backend=backend)
-        self._init_args = {"backend": backend, "m2_threshold": m2_threshold, "m2_scope": m2_scope,
-                           "loss_agg_mode": loss_agg_mode, "allow_split_mini_batch": allow_split_mini_batch,
-                           "assume_one_micro_batch": assume_one_micro_batch,
-                           "batch_num_tokens_from_data": batch_num_tokens_from_data}
-        if m2_scope not in self.SCOPES:
-            raise ValueError(f"{name}: {ARGS_PATH}.m2_scope must be one of {', '.join(self.SCOPES)}, got "
-                             f"{m2_scope!r}; auto (the default) is the exact one")
-        config = {"m2_threshold": m2_threshold, "m2_scope": "local" if m2_scope == "auto" else m2_scope}
-        try:  # the recipe's own validation of its keys (one implementation)
-            self.m2_threshold = m2_threshold_from_config(config)
-            m2_scope_from_config(config)
-        except ValueError as exc:
-            raise _with_key_path(name, exc) from None
-        self.m2_scope = m2_scope
-        self._recipe_config = {"m2_threshold": self.m2_threshold}
-        self._init_common(loss_agg_mode, batch_num_tokens_from_data, allow_split_mini_batch, assume_one_micro_batch)
 
     def __call__(  # type: ignore[override]
         self,
@@ -322,151 +471,47 @@ class M2POPolicyLossFn(_RecipeLoss, PolicyLossFn):
                              "weights, so M2PO's ratio would no longer see the rollouts' staleness. Fix: "
                              "algorithm.bypass_old_logprobs: true")
 
-    def resolved_scope(self, dp_size: int) -> str:
-        """The selection scope for ``dp_size`` ranks: ``auto`` is ``dp_group`` with more than one rank."""
-        scope = self.m2_scope
-        if scope == "auto":
-            return "dp_group" if dp_size > 1 else "local"
-        if scope == "local" and dp_size > 1 and not self.allow_split_mini_batch:
-            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.m2_scope=local selects over one rank's tokens, but "
-                             f"the optimizer mini-batch spans {dp_size} data-parallel ranks. Fix: m2_scope: auto (or "
-                             "dp_group); or allow_split_mini_batch: true to accept per-rank selections (logged)")
-        return scope
 
-    def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
-        scope = self.resolved_scope(dp_size)
-        if scope == "dp_group":
-            self._check_world(dp_size, "m2_scope=dp_group")
-        local = int(valid.sum())
-        what = "M2PO's selection (Algorithm 1)"
-        if scope == "local" and dp_size == 1 and local != batch_num_tokens and not self.allow_split_mini_batch:
-            raise self._split_error(local, batch_num_tokens, dp_size, what)  # before any work
-        config = with_global_batch_info({**self._recipe_config, "m2_scope": scope}, num_tokens=batch_num_tokens,
-                                        dp_size=dp_size)
-        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
-        # dp_group: the selection's count is over the same-index micro-batches of all ranks, the same on every rank
-        covered = int(metrics["m2po/num_valid_tokens"])
-        split = covered != batch_num_tokens
-        if split and not self.allow_split_mini_batch:
-            raise self._split_error(covered, batch_num_tokens, dp_size, what)
-        if self.allow_split_mini_batch:
-            metrics = {**metrics, "m2po/split_mini_batch": float(split)}
-        return loss, metrics
-
-    def _legacy_call(self, logprob, old_logprob, valid, advantages):
-        flags = self._legacy_preamble()
-        # Every valid token of the (single) micro-batch: Trinity's fix_actor_microbatch_loss_scale then is a no-op.
-        config = with_global_batch_info({**self._recipe_config, "m2_scope": "local"}, num_tokens=int(valid.sum()),
-                                        dp_size=1)
-        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
-        return loss, {**metrics, **flags}
-
-    @classmethod
-    def default_args(cls) -> Dict[str, Any]:
-        return {"m2_threshold": 0.04, "m2_scope": "auto", "loss_agg_mode": "token-mean"}
+def _call(self, logprob: torch.Tensor, old_logprob: torch.Tensor, action_mask: torch.Tensor,
+          advantages: torch.Tensor, batch_num_tokens: Optional[int] = None, dp_size: Optional[int] = None,
+          **kwargs: Any) -> Tuple[torch.Tensor, Dict[str, float]]:
+    return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size)
 
 
-#: The order of the denominators in FIPO's all-reduced counts (each fipo/* fraction is pooled over the step as summed
-#: numerators / summed denominators, recipe.fipo.algorithm.METRIC_DENOMINATORS).
-FIPO_DENOMINATORS = ("valid_tokens", "kept_tokens", "rows")
+def _class_name(loss_name: str) -> str:
+    return "".join(part.capitalize() for part in loss_name.replace("-", "_").split("_")) + "PolicyLossFn"
 
 
-class FIPOPolicyLossFn(_RecipeLoss, PolicyLossFn):
-    """FIPO (Future-KL Influenced Policy Optimization): ``recipe.registry`` loss ``fipo`` inside Trinity-RFT.
+#: Class names that differ from :func:`_class_name` (kept as they were: the dotted paths users put in configs).
+_NAMED = {"m2po": "M2POPolicyLossFn", "fipo": "FIPOPolicyLossFn"}
+_CLASSES: Dict[str, type] = {"m2po": M2POPolicyLossFn}
 
-    ``policy_loss_fn_args`` (stalerl's names): ``fipo_decay_rate`` (32), ``fipo_clip_ratio_c`` (10),
-    ``fipo_influence_clip_ratio`` (0.2), ``fipo_influence_clip_high_only`` (true), ``fipo_safety_threshold`` (10),
-    ``eps_clip`` (0.2), ``eps_clip_higher`` (null = eps_clip), ``loss_agg_mode``, ``allow_split_mini_batch``,
-    ``assume_one_micro_batch``, ``batch_num_tokens_from_data``.
 
-    The objective is the FIPO reference's over the whole optimizer mini-batch: a dropped row leaves the numerator
-    and the denominator, so the denominator is the mini-batch's valid tokens minus those of its dropped rows (all
-    ranks: one all-reduce). verl's ``batch_num_tokens`` counts the dropped rows; with a split mini-batch the drops of
-    the other micro-batches are unknown to this call, hence the refusal (or, opted in, verl's count).
-    """
+def policy_loss_class(loss_name: str) -> type:
+    """The Trinity policy-loss class of a registered loss (``recipe.trinity.<Name>PolicyLossFn``: a built-in's or a
+    ``recipe.losses`` plugin's), made once from its declaration: its arguments are the loss's parameters."""
+    cls = _CLASSES.get(loss_name)
+    if cls is None:
+        get_policy_loss_spec(loss_name)  # an unknown name: one line listing the registered losses
+        decl = get_declaration(loss_name)
+        name = _NAMED.get(loss_name, _class_name(loss_name))
+        cls = type(name, (_RecipeLoss, PolicyLossFn), {"loss_name": loss_name, "__call__": _call,
+                                                      "__module__": __name__, "__qualname__": name})
+        cls.__doc__ = (f"{decl.summary}\n\n``recipe.registry`` loss ``{loss_name}`` inside Trinity-RFT. "
+                       f"``policy_loss_fn_args``: {', '.join(cls.arg_keys())}; the loss's own from its declaration.")
+        _CLASSES[loss_name] = cls
+    return cls
 
-    loss_name = "fipo"
-    ARG_KEYS = ("fipo_decay_rate", "fipo_clip_ratio_c", "fipo_influence_clip_ratio", "fipo_influence_clip_high_only",
-                "fipo_safety_threshold", "eps_clip", "eps_clip_higher", "loss_agg_mode", "allow_split_mini_batch",
-                "assume_one_micro_batch", "batch_num_tokens_from_data")
 
-    def __init__(self, backend: str = "verl", fipo_decay_rate: float = 32.0, fipo_clip_ratio_c: float = 10.0,
-                 fipo_influence_clip_ratio: float = 0.2, fipo_influence_clip_high_only: bool = True,
-                 fipo_safety_threshold: float = 10.0, eps_clip: float = 0.2, eps_clip_higher: Optional[float] = None,
-                 loss_agg_mode: str = "token-mean", allow_split_mini_batch: bool = False,
-                 assume_one_micro_batch: bool = False, batch_num_tokens_from_data: Union[bool, str] = "auto",
-                 **unknown: Any) -> None:
-        name = type(self).__name__
-        _refuse_unknown(name, unknown, self.ARG_KEYS)
-        _check_backend(name, backend)
-        super().__init__(backend=backend)
-        config = {"fipo_decay_rate": fipo_decay_rate, "fipo_clip_ratio_c": fipo_clip_ratio_c,
-                  "fipo_influence_clip_ratio": fipo_influence_clip_ratio,
-                  "fipo_influence_clip_high_only": fipo_influence_clip_high_only,
-                  "fipo_safety_threshold": fipo_safety_threshold, "eps_clip": eps_clip,
-                  "eps_clip_higher": eps_clip_higher}
-        self._init_args = {"backend": backend, **config, "loss_agg_mode": loss_agg_mode,
-                           "allow_split_mini_batch": allow_split_mini_batch,
-                           "assume_one_micro_batch": assume_one_micro_batch,
-                           "batch_num_tokens_from_data": batch_num_tokens_from_data}
-        try:  # the recipe's own validation of its keys (one implementation)
-            self.params = fipo_params_from_config(config)
-        except ValueError as exc:
-            raise _with_key_path(name, exc) from None
-        self._recipe_config = {key: value for key, value in config.items() if value is not None}
-        self._init_common(loss_agg_mode, batch_num_tokens_from_data, allow_split_mini_batch, assume_one_micro_batch)
+FIPOPolicyLossFn = policy_loss_class("fipo")
 
-    def __call__(  # type: ignore[override]
-        self,
-        logprob: torch.Tensor,
-        old_logprob: torch.Tensor,
-        action_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        batch_num_tokens: Optional[int] = None,
-        dp_size: Optional[int] = None,
-        **kwargs: Any,
-    ) -> Tuple[torch.Tensor, Dict[str, float]]:
-        return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size)
 
-    def _counts(self, logprob, old_logprob, valid, advantages) -> List[float]:
-        """This micro-batch's [valid tokens, kept tokens (after the drop), rows, FIPO numerators...]."""
-        d = masked_log_ratio(old_logprob, logprob.detach(), valid)  # the registry's FIPO sees the same d
-        parts = fipo_metric_parts(d, advantages, valid, self.params)
-        return [parts.denominators[k] for k in FIPO_DENOMINATORS] + [parts.numerators[k] for k in METRIC_KEYS]
-
-    @staticmethod
-    def _pooled(totals: List[float]) -> Dict[str, float]:
-        denominators = dict(zip(FIPO_DENOMINATORS, totals[:len(FIPO_DENOMINATORS)]))
-        numerators = dict(zip(METRIC_KEYS, totals[len(FIPO_DENOMINATORS):]))
-        return {k: num / max(denominators[METRIC_DENOMINATORS[k]], 1.0) for k, num in numerators.items()}
-
-    def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
-        self._check_world(dp_size, "FIPO's step-wide token count")
-        totals = _all_reduce_sum(self._counts(logprob, old_logprob, valid, advantages), valid)
-        covered, kept = int(totals[0]), int(totals[1])
-        split = covered != batch_num_tokens
-        if split and not self.allow_split_mini_batch:
-            raise self._split_error(covered, batch_num_tokens, dp_size, "the tokens of FIPO's dropped rows")
-        # exact: the reference's denominator over the mini-batch; opted in and split: verl's count (drops kept)
-        num_tokens = batch_num_tokens if split else kept
-        config = with_global_batch_info(self._recipe_config, num_tokens=num_tokens, dp_size=dp_size)
-        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, config)
-        metrics = {**metrics, **self._pooled(totals)}
-        if self.allow_split_mini_batch:
-            metrics["fipo/split_mini_batch"] = float(split)
-        return loss, metrics
-
-    def _legacy_call(self, logprob, old_logprob, valid, advantages):
-        flags = self._legacy_preamble()
-        # the registry's FIPO alone is the reference on its tensors: dropped rows leave the sum and the count
-        loss, metrics = self._registry(logprob, old_logprob, valid, advantages, dict(self._recipe_config))
-        return loss, {**metrics, **flags}
-
-    @classmethod
-    def default_args(cls) -> Dict[str, Any]:
-        return {"fipo_decay_rate": 32.0, "fipo_clip_ratio_c": 10.0, "fipo_influence_clip_ratio": 0.2,
-                "fipo_influence_clip_high_only": True, "fipo_safety_threshold": 10.0, "eps_clip": 0.2,
-                "loss_agg_mode": "token-mean"}
+def __getattr__(name: str) -> Any:
+    """``recipe.trinity.losses.<Name>PolicyLossFn`` for every registered loss (Trinity's dotted path, pickling)."""
+    for loss_name in declarations():
+        if _NAMED.get(loss_name, _class_name(loss_name)) == name:
+            return policy_loss_class(loss_name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _rebuild(cls: type, init_args: Dict[str, Any]) -> Any:
@@ -474,4 +519,4 @@ def _rebuild(cls: type, init_args: Dict[str, Any]) -> Any:
     return cls(**init_args)
 
 
-__all__ = ["FIPOPolicyLossFn", "M2POPolicyLossFn", "engine_path_passes_global_counts"]
+__all__ = ["FIPOPolicyLossFn", "M2POPolicyLossFn", "engine_path_passes_global_counts", "policy_loss_class"]

@@ -1,20 +1,19 @@
-"""``GRPOConfig``: TRL's GRPOConfig plus M2PO's threshold and FIPO's keys (names and defaults as in stalerl)."""
+"""``GRPOConfig``: TRL's GRPOConfig plus one field per parameter of every registered loss (generated).
+
+The fields come from the losses' declarations (``recipe.registry.declarations()``: the built-ins and the
+``recipe.losses`` plugins): name ``Param.name_in("trl")``, default ``Param.default_in("trl")``, help (with the bounds)
+from the Param. Validation is the Param's own check and the declaration's rules (:func:`validate_grpo_args`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass, field
 
 import trl
 
-from recipe.fipo.algorithm import (
-    DEFAULT_CLIP_RATIO_C,
-    DEFAULT_DECAY_RATE,
-    DEFAULT_INFLUENCE_CLIP_RATIO,
-    DEFAULT_SAFETY_THRESHOLD,
-)
-from recipe.m2po.algorithm import DEFAULT_M2_THRESHOLD
-from recipe.trl.losses import check_no_shadowing, trl_loss_types_from_source, validate_grpo_args
+from recipe.trl.losses import FRAMEWORK, check_no_shadowing, config_params, trl_loss_types_from_source, \
+    validate_grpo_args
 from recipe.versions import check_framework_version
 
 check_framework_version("trl", where="recipe.trl")
@@ -23,28 +22,26 @@ TRL_SOURCES = (inspect.getsource(inspect.getmodule(trl.GRPOTrainer)), inspect.ge
 check_no_shadowing(trl_loss_types_from_source(*TRL_SOURCES), trl.__version__)
 
 
-@dataclass
-class GRPOConfig(trl.GRPOConfig):
-    """TRL's GRPOConfig; ``loss_type`` also accepts ``"m2po"`` and ``"fipo"`` (stalerl's exact losses).
+def _field(p):
+    bounds = p.bounds_text()
+    text = p.help + (f" ({bounds})" if bounds and bounds not in p.help else "")
+    metadata = {"help": text}  # HF's argument parser hands the metadata to argparse: help and choices only
+    if p.choices is not None:
+        metadata["choices"] = list(p.choices)
+    return dataclasses.field(default=p.default_in(FRAMEWORK), metadata=metadata)
 
-    Checked at construction: an unknown ``loss_type``, ``m2_threshold < 0``, FIPO keys out of range, and TRL options
-    that do not apply to m2po/fipo each fail with one line naming the field.
-    """
 
-    m2_threshold: float = field(default=DEFAULT_M2_THRESHOLD, metadata={
-        "help": "M2PO: tau, the bound on the second moment of the kept trust-region tokens' log-ratios (>= 0)."})
-    fipo_decay_rate: float = field(default=DEFAULT_DECAY_RATE, metadata={
-        "help": "FIPO: half-life in tokens of the Future-KL discount (> 0)."})
-    fipo_clip_ratio_c: float = field(default=DEFAULT_CLIP_RATIO_C, metadata={
-        "help": "FIPO: dual-clip constant c (> 1 + epsilon_high)."})
-    fipo_influence_clip_ratio: float = field(default=DEFAULT_INFLUENCE_CLIP_RATIO, metadata={
-        "help": "FIPO: eps_f, the influence-weight clip (>= 0; 0 = weights only capped at 10)."})
-    fipo_influence_clip_high_only: bool = field(default=True, metadata={
-        "help": "FIPO: clip weights to [1, 1+eps_f] (True) or [1-eps_f, 1+eps_f] (False)."})
-    fipo_safety_threshold: float = field(default=DEFAULT_SAFETY_THRESHOLD, metadata={
-        "help": "FIPO: for A < 0 tokens with ratio above this, the weight is clamped to [0.8, 1] (> 0)."})
+def _post_init(self) -> None:
+    check_framework_version("trl", where="recipe.trl")  # also at import; here a faked version is seen too
+    trl.GRPOConfig.__post_init__(self)  # sets steps_per_generation, which the rules read
+    validate_grpo_args(self)
 
-    def __post_init__(self) -> None:
-        check_framework_version("trl", where="recipe.trl")  # also at import; here a faked version is seen too
-        super().__post_init__()  # sets steps_per_generation, which the rules read
-        validate_grpo_args(self)
+
+GRPOConfig = dataclasses.make_dataclass(
+    "GRPOConfig", [(key, p.kind, _field(p)) for key, p in config_params().items()], bases=(trl.GRPOConfig,),
+    namespace={"__post_init__": _post_init, "__module__": __name__, "__doc__": (
+        "TRL's GRPOConfig; ``loss_type`` also accepts every loss of ``recipe.registry`` (M2PO, FIPO, the baselines, "
+        "plugins), with one field per loss parameter.\n\n    Checked at construction: an unknown ``loss_type``, a "
+        "loss parameter out of range or against its loss's rules, and TRL options that do not apply to the loss "
+        "each fail with one line naming the field.\n    ")})
+GRPOConfig.__qualname__ = "GRPOConfig"

@@ -1,4 +1,4 @@
-"""``GRPOTrainer``: TRL's GRPOTrainer whose ``m2po`` / ``fipo`` losses are exact at the optimizer step.
+"""``GRPOTrainer``: TRL's GRPOTrainer whose ``recipe.registry`` losses are exact at the optimizer step.
 
 How TRL 1.16 feeds an optimizer step: ``_prepare_inputs`` generates once per ``steps_per_generation x
 num_iterations`` micro-steps, shuffles the rows and keeps ``steps_per_generation`` micro-batches in
@@ -17,8 +17,10 @@ losses add up to the whole step's token-mean loss, whatever the split (TRL's GRP
 
 The step window is :class:`recipe.hf_step.StepWindow` (shared with the ms-swift adapter). The extra no-grad forwards
 run as TRL's own old-log-prob forward does: model in the mode the trainer left it, ``torch.no_grad()`` and TRL's
-``disable_gradient_checkpointing``. Metrics follow :class:`recipe.hf_step.StepMetrics`: ``m2po/*`` and ``fipo/*``
-reduced over the step's micro-batches and processes, appended to TRL's ``_metrics`` once per optimizer step.
+``disable_gradient_checkpointing``. Metrics follow :class:`recipe.hf_step.StepMetrics`: whatever keys the loss
+returns, reduced over the step's micro-batches and processes by the loss's declared rules
+(``recipe.declaration.reduce_metrics``), plus the plan's step-wide values, appended to TRL's ``_metrics`` once per
+optimizer step.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, add_plan_selection, check_sharding_backend
+from recipe.hf_step import StepMetrics, StepWindow, check_sharding_backend
 from recipe.optimizer_batch import MicroBatch, OptimizerBatchPlan, plan_optimizer_batch
-from recipe.registry import get_policy_loss_fn, needs_step_log_probs
+from recipe.registry import get_policy_loss_spec, needs_step_log_probs
 from recipe.trl.config import GRPOConfig
-from recipe.trl.inputs import behaviour_log_probs, loss_mask
-from recipe.trl.losses import STALERL_LOSS_TYPES, check_vllm_logprobs_mode, loss_config
+from recipe.trl.inputs import behaviour_log_probs, correction_weights_of, loss_mask
+from recipe.trl.losses import check_vllm_logprobs_mode, declarations, loss_config, stalerl_loss_types, vllm_correction
 from recipe.versions import check_framework_version
 
 #: Inputs TRL passes to its log-prob forward besides ids and masks (vision models; refused for m2po/fipo at
@@ -62,11 +64,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_framework_version("trl", where="recipe.trl")
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if cfg is not None and cfg.loss_type in STALERL_LOSS_TYPES and not isinstance(cfg, GRPOConfig):
-            raise TypeError(f"loss_type={cfg.loss_type!r} needs recipe.trl.GRPOConfig (it carries m2_threshold and "
-                            f"the fipo_* keys), got {type(cfg).__module__}.{type(cfg).__name__}; build the config "
-                            "with `from recipe.trl import GRPOConfig`")
-        if cfg is not None and cfg.loss_type in STALERL_LOSS_TYPES:
+        ours = cfg is not None and cfg.loss_type in stalerl_loss_types()
+        if ours and not isinstance(cfg, GRPOConfig):
+            raise TypeError(f"loss_type={cfg.loss_type!r} needs recipe.trl.GRPOConfig (it carries the losses' keys: "
+                            f"m2_threshold, the fipo_* keys, ...), got {type(cfg).__module__}.{type(cfg).__name__}; "
+                            "build the config with `from recipe.trl import GRPOConfig`")
+        self._stalerl_loss = declarations()[cfg.loss_type].name if ours else None  # its recipe.registry name
+        if ours:
             _check_text_processing_class(cfg.loss_type, kwargs.get("processing_class",
                                                                    args[5] if len(args) > 5 else None))
         super().__init__(*args, **kwargs)
@@ -98,8 +102,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                              "GRPOConfig(router_aux_loss_coef=0.0)")
 
     def _stalerl_check_vllm_server(self) -> None:
-        """TRL checks the server's ``--logprobs-mode`` only with its IS correction on (which m2po/fipo refuse); the
-        sampler's log-probs are these losses' behaviour policy, so it is checked here, on every process."""
+        """TRL checks the server's ``--logprobs-mode`` only with its IS correction on; without it the sampler's
+        log-probs are these losses' behaviour policy, so it is checked here too, on every process."""
         info: list[Any] = [None]
         if self.accelerator.is_main_process:
             server = self.vllm_generation.vllm_client.get_server_info()
@@ -117,7 +121,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     @property
     def _uses_stalerl_loss(self) -> bool:
-        return self.loss_type in STALERL_LOSS_TYPES
+        return self._stalerl_loss is not None
 
     def _log_probs(self, model: Any, inputs: dict[str, Any], *, compute_entropy: bool
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -135,7 +139,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         per_token_logps, entropies, _ = self._log_probs(model, inputs, compute_entropy=True)
         mask = loss_mask(inputs)
-        behaviour = behaviour_log_probs(inputs, per_token_logps)
+        correction = vllm_correction(self.args)  # TRL's vLLM IS correction, as recipe.rollout_correction
+        behaviour = behaviour_log_probs(inputs, per_token_logps, corrected=correction is not None)
         old = per_token_logps.detach() if behaviour is None else behaviour
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
@@ -144,8 +149,11 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         plan, index = self._plan_for(inputs, per_token_logps, mode)
         config = plan.config_for(loss_config(self.args))
+        extras = dict(plan.extras[index])
+        if correction is not None:
+            extras["rollout_is_weights"] = correction_weights_of(inputs, mask, correction)
         loss, metrics = self._policy_loss(old_log_prob=old, log_prob=per_token_logps, advantages=advantages,
-                                          response_mask=mask, config=config, extras=plan.extras[index])
+                                          response_mask=mask, config=config, extras=extras)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
@@ -156,16 +164,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss = loss + self.beta * kl_sum / max(plan.num_tokens, 1) * plan.dp_size
             self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl, mask))
         step_size = self._stalerl_window.size if mode == "train" else 1
-        self._log_loss_metrics(mode, metrics, plan, index, entropies, mask, step_size,
-                               dict(old_log_prob=old, log_prob=per_token_logps, advantages=advantages,
-                                    response_mask=mask, config=config))
+        self._log_loss_metrics(mode, metrics, plan, index, entropies, mask, step_size)
         return loss
 
     def _policy_loss(self, *, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                      response_mask: torch.Tensor, config: dict[str, Any], extras: dict[str, torch.Tensor]
                      ) -> tuple[torch.Tensor, dict[str, float]]:
         """The registry's loss on one micro-batch (one place, so a test can capture exactly what it received)."""
-        return get_policy_loss_fn(self.loss_type)(
+        return get_policy_loss_spec(self._stalerl_loss).fn(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
             loss_agg_mode="token-mean", config=config, **extras)
 
@@ -190,7 +196,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _plan(self, batches: list[dict[str, Any]], first_logps: torch.Tensor) -> OptimizerBatchPlan:
         """Select and count over ``batches``; the first one's current log-probs are ``first_logps``."""
         # M2PO's batch selection and FIPO's row drops both decide from the step's current log-probs
-        needs_selection = needs_step_log_probs(self.loss_type)
+        needs_selection = needs_step_log_probs(self._stalerl_loss)
+        corrected = vllm_correction(self.args) is not None
         micro = []
         for j, batch in enumerate(batches):
             mask = loss_mask(batch)
@@ -203,12 +210,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                     current = first_logps.detach()
                 else:  # the step's weights are those of its first micro-batch
                     current = self._extra_log_probs(batch)
-                behaviour = behaviour_log_probs(batch, current)
+                behaviour = behaviour_log_probs(batch, current, corrected=corrected)
             adv = batch["advantages"]
             adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(mask.shape)
             micro.append(MicroBatch(behaviour.detach().float(), current.float(), adv.float(), mask))
         group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
-        return plan_optimizer_batch(self.loss_type, micro, loss_config(self.args), group=group)
+        return plan_optimizer_batch(self._stalerl_loss, micro, loss_config(self.args), group=group)
 
     # --------------------------------------------------------------------------------------------- metrics
 
@@ -220,20 +227,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         return (total[0] / total[1].clamp(min=1.0)).item()
 
     def _log_loss_metrics(self, mode: str, metrics: dict[str, float], plan: OptimizerBatchPlan, index: int,
-                          entropies: Optional[torch.Tensor], mask: torch.Tensor, step_size: int,
-                          loss_inputs: dict[str, Any]) -> None:
-        """``m2po/*`` / ``fipo/*`` of the whole optimizer step (all micro-batches, all processes), appended once, at
-        the step's last micro-batch (recipe.hf_step.StepMetrics; TRL's ``log()`` then averages over its logging
-        interval)."""
+                          entropies: Optional[torch.Tensor], mask: torch.Tensor, step_size: int) -> None:
+        """The loss's metrics of the whole optimizer step (all micro-batches, all processes), appended once, at the
+        step's last micro-batch (recipe.hf_step.StepMetrics: the declared rules, then the plan's step-wide values;
+        TRL's ``log()`` then averages over its logging interval)."""
         acc = self._stalerl_metrics
         if index == 0:
-            add_plan_selection(acc, plan)
-        if self.loss_type == "fipo":
-            add_fipo_micro_batch(acc, loss_inputs["old_log_prob"], loss_inputs["log_prob"], loss_inputs["advantages"],
-                                 loss_inputs["response_mask"], loss_inputs["config"])
+            acc.add_plan(plan)
+        acc.add(mask, metrics)
         if index == step_size - 1:
             group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
-            for key, value in acc.reduce(group, device=mask.device).items():
+            rules = get_policy_loss_spec(self._stalerl_loss).declaration.metrics
+            for key, value in acc.reduce(rules, group).items():
                 self._metrics[mode][key].append(float(value))
         if entropies is not None:
             store = self._metrics[mode]

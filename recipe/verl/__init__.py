@@ -1,30 +1,36 @@
-"""verl adapter for the M2PO policy loss (and the stale-rollout baselines).
+"""verl adapter of the stalerl policy losses: every loss of ``recipe.registry`` (the built-ins and the plugin losses).
 
 Installed as a verl plugin (entry point group ``verl.plugins``), so ``import verl`` in any process -- the driver,
-the TaskRunner, every Ray worker -- registers these losses in verl's ``POLICY_LOSS_REGISTRY``:
+the TaskRunner, every Ray worker -- registers the losses in verl's ``POLICY_LOSS_REGISTRY`` under their verl names
+(``declaration.name_in("verl")``: the registry name, except ``vanilla`` -> ``stalerl_vanilla``, as verl owns
+``vanilla``):
 
 =================== ==========================================================
-verl ``loss_mode``  function (the same object as in ``recipe.registry``)
+verl ``loss_mode``  function
 =================== ==========================================================
-``m2po``            ``recipe.m2po.algorithm.compute_policy_loss_m2po``
-``stalerl_vanilla`` ``recipe.baselines.algorithm.compute_policy_loss_vanilla``
-``no_trust_region`` ``recipe.baselines.algorithm.compute_policy_loss_no_trust_region``
-``fipo``            ``recipe.verl.losses.compute_policy_loss_fipo_verl``: the registry's FIPO, exact when the
-                    call is the whole optimizer step, refused on a split step (or opt-in)
+``m2po``            ``recipe.registry.get_policy_loss_fn("m2po")`` (the registry's own object)
+``stalerl_vanilla`` ``get_policy_loss_fn("vanilla")``
+``no_trust_region`` ``get_policy_loss_fn("no_trust_region")``
+``m2po_authors``    ``get_policy_loss_fn("m2po_authors")``
+``fipo``            ``recipe.verl.losses.compute_policy_loss_fipo_verl``: the registry's FIPO on a step that is
+                    one call, a split step refused (or opted in)
+a plugin loss       ``get_policy_loss_fn(<its name>)``
 =================== ==========================================================
 
 Modules (verl is imported lazily, only by these):
 
 - :mod:`recipe.verl.plugin` -- registration (the entry point) after the version check; fails loudly.
 - :mod:`recipe.verl.losses` -- FIPO's whole-step check inside verl's micro-batch loop.
-- :mod:`recipe.verl.config` -- :class:`M2POPolicyLossConfig`, a ``PolicyLossConfig`` subclass with
-  ``m2_threshold`` and ``m2_scope``, and :class:`FIPOPolicyLossConfig` with the ``fipo_*`` keys; selected with
-  ``policy_loss._target_``; importing it registers the losses too.
+- :mod:`recipe.verl.config` -- one ``PolicyLossConfig`` subclass per loss, generated from its declaration
+  (:class:`M2POPolicyLossConfig` with ``m2_threshold`` and ``m2_scope``, :class:`FIPOPolicyLossConfig` with the
+  ``fipo_*`` keys, ``policy_loss_config_class(name)`` for any other); selected with ``policy_loss._target_``;
+  importing it registers the losses too.
 - :mod:`recipe.verl.cli` -- ``stalerl-verl-config-path``: the directory of the packaged Hydra config
   ``m2po_trainer.yaml`` (and ``fipo_trainer.yaml``), for ``python -m verl.trainer.main_ppo --config-path
   "$(stalerl-verl-config-path)" --config-name m2po_trainer ...``.
 
-This package itself imports no verl module, so ``stalerl-verl-config-path`` is fast.
+This package itself imports no verl module (nor torch: :data:`VERL_LOSS_NAMES` is computed on first access), so
+``stalerl-verl-config-path`` is fast.
 """
 
 from __future__ import annotations
@@ -52,13 +58,20 @@ if not _verl_installed():
         name="verl",
     )
 
-#: verl ``loss_mode`` name -> name in ``recipe.registry``. verl already owns ``vanilla``, hence ``stalerl_vanilla``.
-VERL_LOSS_NAMES = {
-    "m2po": "m2po",
-    "stalerl_vanilla": "vanilla",
-    "no_trust_region": "no_trust_region",
-    "fipo": "fipo",
-}
+
+
+def verl_loss_names() -> dict[str, str]:
+    """verl ``loss_mode`` name -> name in ``recipe.registry``, for every registered loss (plugins included)."""
+    from recipe.registry import declarations
+
+    out: dict[str, str] = {}
+    for name, declaration in declarations().items():
+        verl_name = declaration.name_in("verl")
+        if out.setdefault(verl_name, name) != name:
+            raise ValueError(f"losses {out[verl_name]!r} and {name!r} both have the verl name {verl_name!r}; give one "
+                             "of them another with LossDeclaration(framework_names={'verl': ...})")
+    return out
+
 
 #: ``_target_`` of the policy-loss config, as written in the packaged Hydra config.
 POLICY_LOSS_CONFIG_TARGET = "recipe.verl.config.M2POPolicyLossConfig"
@@ -74,13 +87,16 @@ def config_dir() -> Path:
 def loss_function(verl_name: str):
     """The function the plugin puts in verl's registry under ``verl_name``: the registry's own object, except
     ``fipo``, which gets FIPO's whole-step check (recipe/verl/losses.py)."""
-    if verl_name == "fipo":
+    names = verl_loss_names()
+    if verl_name not in names:
+        raise KeyError(f"{verl_name!r} is no stalerl loss's verl name; they are: {', '.join(names)}")
+    if names[verl_name] == "fipo":
         from recipe.verl.losses import compute_policy_loss_fipo_verl
 
         return compute_policy_loss_fipo_verl
     from recipe.registry import get_policy_loss_fn
 
-    return get_policy_loss_fn(VERL_LOSS_NAMES[verl_name])
+    return get_policy_loss_fn(names[verl_name])
 
 
 def register() -> dict[str, object]:
@@ -91,12 +107,15 @@ def register() -> dict[str, object]:
 
 
 def __getattr__(name: str):
-    if name in ("M2POPolicyLossConfig", "FIPOPolicyLossConfig"):
-        from recipe.verl import config
+    if name == "VERL_LOSS_NAMES":  # on access: the plugin losses import torch
+        return verl_loss_names()
+    if name.endswith("PolicyLossConfig") or name in ("policy_loss_config_class", "policy_loss_config_target"):
+        import importlib
 
-        return getattr(config, name)
+        return getattr(importlib.import_module("recipe.verl.config"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["INSTALL_HINT", "VERL_LOSS_NAMES", "POLICY_LOSS_CONFIG_TARGET", "FIPO_POLICY_LOSS_CONFIG_TARGET",
-           "M2POPolicyLossConfig", "FIPOPolicyLossConfig", "config_dir", "loss_function", "register"]
+           "M2POPolicyLossConfig", "FIPOPolicyLossConfig", "config_dir", "loss_function", "policy_loss_config_class",
+           "policy_loss_config_target", "register", "verl_loss_names"]

@@ -1,44 +1,46 @@
-"""``M2POPolicyLossConfig`` and ``FIPOPolicyLossConfig``: verl's ``PolicyLossConfig`` plus the M2PO (FIPO) keys,
-validated at config time.
+"""verl ``PolicyLossConfig`` subclasses for every registered loss, generated from the losses' declarations.
 
-Select it in a verl config with::
+Select one in a verl config with::
 
     actor_rollout_ref.actor.policy_loss._target_=recipe.verl.config.M2POPolicyLossConfig
 
-(the packaged ``m2po_trainer.yaml`` does). verl instantiates it with Hydra wherever it builds the actor config: in
-the driver (``validate_config``) and in each actor worker (``init_model``). Importing this module registers the
-stalerl losses in verl's registry (a backstop for the ``verl.plugins`` entry point), and fails loudly if that is
-impossible.
+(the packaged ``m2po_trainer.yaml`` does; ``fipo_trainer.yaml`` selects ``FIPOPolicyLossConfig``). verl instantiates
+it with Hydra wherever it builds the actor config: in the driver (``validate_config``) and in each actor worker
+(``init_model``). Importing this module registers the stalerl losses in verl's registry (a backstop for the
+``verl.plugins`` entry point), and fails loudly if that is impossible.
 
-Keys (under ``actor_rollout_ref.actor.policy_loss``):
+One class per loss in ``recipe.registry.declarations()`` -- the built-ins and every plugin loss (entry-point group
+``recipe.losses``) -- so a plugin loss runs in verl without editing a file here:
 
-- ``m2_threshold`` (float >= 0, default 0.04): tau, the bound on the second moment of the log-ratio over the
-  trust-region tokens.
-- ``m2_scope`` (``local`` | ``dp_group``, default ``local``): the tokens one selection sees. verl calls the loss per
-  micro-batch per GPU; ``local`` selects over that micro-batch, ``dp_group`` over that micro-batch on every rank of
-  the default process group (exact Algorithm 1 over the whole mini-batch when each GPU runs one micro-batch per
-  mini-batch). ``dp_group`` needs the default group to be the data-parallel group (FSDP, no Ulysses SP).
+- its name: ``M2POPolicyLossConfig`` (``m2po``) and ``FIPOPolicyLossConfig`` (``fipo``), else the loss's verl name in
+  CamelCase + ``PolicyLossConfig`` (``StalerlVanillaPolicyLossConfig``, ``NoTrustRegionPolicyLossConfig``,
+  ``M2poAuthorsPolicyLossConfig``, a plugin ``throwaway``: ``ThrowawayPolicyLossConfig``); all are attributes of this
+  module, so ``_target_: recipe.verl.config.<name>`` works (:func:`policy_loss_config_class`,
+  :func:`policy_loss_config_target`);
+- ``loss_mode``: the loss's verl name (``declaration.name_in("verl")``) by default;
+- one field per loss parameter (under ``actor_rollout_ref.actor.policy_loss``): its verl name
+  (``Param.name_in("verl")``), its verl default (``Param.default_in("verl")``: ``m2_scope`` is ``local`` in verl), its
+  help and bounds as field metadata; checked at config time by ``Param.check`` (the one validation; the message names
+  ``actor_rollout_ref.actor.policy_loss.<key>``) and by the declaration's cross-parameter rules. The PPO clip is the
+  actor's (``clip_ratio_low`` / ``clip_ratio_high``, outside ``policy_loss``): at config time the rules run with the
+  clip at 0, and the loss runs them again with the actor's clip on its first call (FIPO's ``fipo_clip_ratio_c >
+  1 + clip_ratio_high``: a ValueError naming both keys);
+- verl-adapter keys that are no loss parameter: FIPO's ``fipo_allow_split_step`` (bool, default false; accept verl's
+  split optimizer step as an approximation, recipe/verl/losses.py).
 
-FIPO (``_target_: recipe.verl.config.FIPOPolicyLossConfig``, ``loss_mode: fipo``; packaged as
-``fipo_trainer.yaml``): ``fipo_decay_rate`` (> 0, default 32), ``fipo_clip_ratio_c`` (> 1, default 10),
-``fipo_influence_clip_ratio`` (>= 0, default 0.2), ``fipo_influence_clip_high_only`` (bool, default true),
-``fipo_safety_threshold`` (> 0, default 10); see recipe/fipo/algorithm.py. The PPO clip is the actor's
-``clip_ratio_low`` / ``clip_ratio_high``; the rule ``fipo_clip_ratio_c > 1 + clip_ratio_high`` spans the actor and
-its policy_loss, so it is checked by the loss on its first call (a ValueError naming both keys).
-``fipo_allow_split_step`` (bool, default false): accept verl's split optimizer step for FIPO, where dropped rows stay
-in the denominator (an approximation, logged as ``fipo/split_step_approximate``); by default a split step is refused
-at the first loss call (recipe/verl/losses.py).
+The parameters and their meaning: recipe/<loss>/declaration.py (``m2_threshold``, ``m2_scope``; the ``fipo_*`` keys).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass, replace
+from typing import Any
 
 from verl.workers.config import PolicyLossConfig
 
-from recipe.fipo.algorithm import FIPOParams
-from recipe.m2po.algorithm import DEFAULT_M2_THRESHOLD, SCOPES
+from recipe.declaration import LossDeclaration, Param
+from recipe.registry import declarations
+from recipe.verl.losses import ALLOW_SPLIT
 from recipe.verl.plugin import register as _register
 
 # Backstop registration: runs in every process that instantiates this config, even with
@@ -46,78 +48,103 @@ from recipe.verl.plugin import register as _register
 _register()
 
 KEY_PREFIX = "actor_rollout_ref.actor.policy_loss"
+#: Class names kept from before the classes were generated (the packaged configs' ``_target_``).
+CLASS_NAMES = {"m2po": "M2POPolicyLossConfig", "fipo": "FIPOPolicyLossConfig"}
+#: Keys of the verl adapter, not of the loss, by loss name.
+ADAPTER_PARAMS: dict[str, tuple[Param, ...]] = {"fipo": (ALLOW_SPLIT,)}
+#: The PPO clip the cross-parameter rules see at config time (the actor's clip is outside ``policy_loss``).
+CONFIG_TIME_CLIP = (0.0, 0.0)
+
+_CLASSES: dict[str, type] = {}
 
 
-@dataclass
-class M2POPolicyLossConfig(PolicyLossConfig):
-    """verl ``PolicyLossConfig`` with ``m2_threshold`` and ``m2_scope`` (see the module docstring)."""
-
-    loss_mode: str = "m2po"
-    m2_threshold: float = DEFAULT_M2_THRESHOLD
-    m2_scope: str = "local"
-
-    def __post_init__(self):
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
-            parent()
-        value = self.m2_threshold
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{KEY_PREFIX}.m2_threshold must be a finite number >= 0 (e.g. 0.04), got {value!r} "
-                             f"({type(value).__name__})")
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{KEY_PREFIX}.m2_threshold must be a finite number >= 0 (e.g. 0.04), got {value!r}")
-        # BaseConfig freezes fields after __init__; normalise an int threshold to float in place.
-        object.__setattr__(self, "m2_threshold", float(value))
-        if self.m2_scope not in SCOPES:
-            raise ValueError(f"{KEY_PREFIX}.m2_scope must be one of {', '.join(SCOPES)}, got {self.m2_scope!r}")
-        if not isinstance(self.loss_mode, str) or not self.loss_mode:
-            raise ValueError(f"{KEY_PREFIX}.loss_mode must be a non-empty string, got {self.loss_mode!r}")
+def _class_name(declaration: LossDeclaration) -> str:
+    verl_name = declaration.name_in("verl")
+    return CLASS_NAMES.get(declaration.name) or \
+        "".join(part.capitalize() for part in verl_name.replace("-", "_").split("_")) + "PolicyLossConfig"
 
 
-def _number(name: str, value, *, minimum: float, inclusive: bool) -> float:
-    relation = ">=" if inclusive else ">"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            (value < minimum if inclusive else value <= minimum):
-        raise ValueError(f"{KEY_PREFIX}.{name} must be a finite number {relation} {minimum}, got {value!r} "
-                         f"({type(value).__name__})")
-    return float(value)
+def _declaration(name: str) -> LossDeclaration:
+    found = declarations()
+    by_verl_name = {d.name_in("verl"): d for d in found.values()}
+    if name in found:
+        return found[name]
+    if name in by_verl_name:
+        return by_verl_name[name]
+    raise ValueError(f"unknown policy loss {name!r}; the registered losses (verl names) are: "
+                     f"{', '.join(sorted(by_verl_name))}")
 
 
-_FIPO_DEFAULTS = FIPOParams()
+def _check(self: Any) -> None:
+    """``__post_init__`` of every generated class: verl's, then each key by ``Param.check``, then the rules."""
+    parent = getattr(PolicyLossConfig, "__post_init__", None)  # verl's own checks, where it has any
+    if parent is not None:
+        parent(self)
+    declaration = _declaration(self._stalerl_loss)
+    values = {}
+    for p in (*declaration.params, *ADAPTER_PARAMS.get(declaration.name, ())):
+        key = p.name_in("verl")
+        # checked as verl's key, so that its "Fix:" names verl's default (m2_scope: local)
+        value = p.check(getattr(self, key), f"{KEY_PREFIX}.{key}", framework="verl")
+        object.__setattr__(self, key, value)  # BaseConfig freezes fields after __init__; normalise in place
+        values[p.name] = value
+    problems = declaration.problems({p.name: values[p.name] for p in declaration.params}, CONFIG_TIME_CLIP)
+    if problems:
+        raise ValueError("; ".join(f"{KEY_PREFIX}.{declaration.param(key).name_in('verl')} {message}"
+                                   for key, message in problems))
+    if not isinstance(self.loss_mode, str) or not self.loss_mode:
+        raise ValueError(f"{KEY_PREFIX}.loss_mode must be a non-empty string, got {self.loss_mode!r}")
 
 
-@dataclass
-class FIPOPolicyLossConfig(PolicyLossConfig):
-    """verl ``PolicyLossConfig`` with the FIPO keys (see the module docstring and recipe/fipo/algorithm.py)."""
-
-    loss_mode: str = "fipo"
-    fipo_decay_rate: float = _FIPO_DEFAULTS.decay_rate
-    fipo_clip_ratio_c: float = _FIPO_DEFAULTS.clip_ratio_c
-    fipo_influence_clip_ratio: float = _FIPO_DEFAULTS.influence_clip_ratio
-    fipo_influence_clip_high_only: bool = _FIPO_DEFAULTS.influence_clip_high_only
-    fipo_safety_threshold: float = _FIPO_DEFAULTS.safety_threshold
-    fipo_allow_split_step: bool = False
-
-    def __post_init__(self):
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
-            parent()
-        for name, minimum, inclusive in (("fipo_decay_rate", 0.0, False), ("fipo_clip_ratio_c", 1.0, False),
-                                         ("fipo_influence_clip_ratio", 0.0, True),
-                                         ("fipo_safety_threshold", 0.0, False)):
-            # BaseConfig freezes fields after __init__; normalise ints to float in place.
-            object.__setattr__(self, name, _number(name, getattr(self, name), minimum=minimum, inclusive=inclusive))
-        if not isinstance(self.fipo_influence_clip_high_only, bool):
-            raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_high_only must be true or false, got "
-                             f"{self.fipo_influence_clip_high_only!r}")
-        if not isinstance(self.fipo_allow_split_step, bool):
-            raise ValueError(f"{KEY_PREFIX}.fipo_allow_split_step must be true or false, got "
-                             f"{self.fipo_allow_split_step!r}")
-        if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
-            raise ValueError(f"{KEY_PREFIX}.fipo_influence_clip_ratio must be < 1 when "
-                             f"fipo_influence_clip_high_only is false, got {self.fipo_influence_clip_ratio}")
-        if not isinstance(self.loss_mode, str) or not self.loss_mode:
-            raise ValueError(f"{KEY_PREFIX}.loss_mode must be a non-empty string, got {self.loss_mode!r}")
+def _make_class(declaration: LossDeclaration) -> type:
+    name = _class_name(declaration)
+    fields: list[tuple[str, type, Any]] = [("loss_mode", str, field(default=declaration.name_in("verl")))]
+    namespace: dict[str, Any] = {"_stalerl_loss": declaration.name, "__post_init__": _check}
+    for p in declaration.params:
+        key = p.name_in("verl")
+        fields.append((key, p.kind, field(default=p.default_in("verl"), metadata=p.metadata())))
+        if key != p.name:  # the loss reads its own name (LossDeclaration.read): alias it to the verl field
+            namespace[p.name] = property(lambda self, _key=key: getattr(self, _key))
+    for p in ADAPTER_PARAMS.get(declaration.name, ()):
+        fields.append((p.name, p.kind, field(default=p.default, metadata=p.metadata())))
+    keys = ", ".join(f"``{f[0]}``" for f in fields[1:]) or "none of its own"
+    cls = make_dataclass(name, fields, bases=(PolicyLossConfig,), namespace=namespace)
+    cls.__module__ = __name__
+    cls.__doc__ = (f"verl ``PolicyLossConfig`` for the loss ``{declaration.name_in('verl')}`` "
+                   f"(recipe.registry ``{declaration.name}``: {declaration.summary}); keys: {keys}. Generated from its "
+                   "declaration (module docstring).")
+    return cls
 
 
-__all__ = ["FIPOPolicyLossConfig", "M2POPolicyLossConfig"]
+def policy_loss_config_class(name: str) -> type:
+    """The ``PolicyLossConfig`` subclass of loss ``name`` (its registry name or its verl name), made once."""
+    declaration = _declaration(name)
+    cls = _CLASSES.get(declaration.name)
+    if cls is None:
+        cls = _CLASSES[declaration.name] = _make_class(declaration)
+        globals()[cls.__name__] = cls  # importable as recipe.verl.config.<name> (Hydra's _target_, pickle)
+    return cls
+
+
+def policy_loss_config_target(name: str) -> str:
+    """``policy_loss._target_`` for loss ``name``: ``recipe.verl.config.<class name>``."""
+    return f"{__name__}.{policy_loss_config_class(name).__name__}"
+
+
+for _name in declarations():
+    policy_loss_config_class(_name)
+
+M2POPolicyLossConfig = policy_loss_config_class("m2po")
+FIPOPolicyLossConfig = policy_loss_config_class("fipo")
+
+
+def __getattr__(name: str) -> type:
+    """A loss registered after this module was imported: its class on first access (``_target_`` included)."""
+    if name.endswith("PolicyLossConfig"):
+        for declaration in declarations().values():
+            if _class_name(declaration) == name:
+                return policy_loss_config_class(declaration.name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["FIPOPolicyLossConfig", "M2POPolicyLossConfig", "policy_loss_config_class", "policy_loss_config_target"]

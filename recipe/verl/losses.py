@@ -3,17 +3,19 @@
 verl's ``ppo_loss`` calls the policy loss once per micro-batch per GPU, with ``config.global_batch_info`` holding the
 mini-batch's ``batch_num_tokens``: every valid token over all micro-batches and ranks, counted before the loss.
 FIPO's objective (recipe/fipo/algorithm.py) leaves a dropped row out of the numerator *and* the denominator of the
-whole optimizer step, and a row's drop is known only to the call that holds it. So inside verl's micro-batch loop:
+whole optimizer step, and a row's drop is known only to the call that holds it. The registry's ``fipo`` is exact with
+such a count where it can be (the step is its own call: ``dp_size`` 1 and the count its own valid tokens) and
+refuses a count it cannot be exact with. What this wrapper adds is verl's side of that:
 
-- **one call per optimizer step** (``dp_size == 1`` and ``batch_num_tokens`` equal to the call's own valid tokens):
-  the call holds the whole step, and :func:`compute_policy_loss_fipo_verl` computes the reference exactly (the
-  call's kept tokens as the denominator, rows dropped by its own rule);
-- **a split step** (several micro-batches, or several data-parallel ranks): refused at the first loss call, before
-  the first update, with one line naming the settings that make the step one call. The dropped rows of the step
-  would stay in the denominator (``tests/integration/test_verl_fipo.py`` measures the difference on a batch with
-  drops, documented in docs/algorithms/fipo.md);
-- ``policy_loss.fipo_allow_split_step=true`` is the explicit opt-in to that approximation: verl's count is used as
-  given, and the metric ``fipo/split_step_approximate`` reads 1 on every call (0 on exact calls).
+- **one call per optimizer step**: the registry's FIPO, as is (it is the reference there);
+- **a split step** (several micro-batches, or several data-parallel ranks): refused at the first loss call, whether
+  or not that call drops a row, before the first update, with one line naming the verl settings that make the step
+  one call (the registry's own refusal would come only at the first call with a dropped row, perhaps many steps
+  in);
+- ``policy_loss.fipo_allow_split_step=true``: the explicit opt-in to the approximation: this call's drop (FIPO's
+  row selector) with verl's count as given, so the dropped rows of the step stay in its denominator
+  (``tests/integration/test_verl_fipo.py`` measures it; docs/algorithms/fipo.md). The metric
+  ``fipo/split_step_approximate`` reads 1 on every such call (0 on exact calls).
 
 The stalerl runtime, TRL, ms-swift, AReaL and Trinity-RFT split a step through
 ``recipe.optimizer_batch.plan_optimizer_batch``, which hands each micro-batch the step's drop and kept-token count.
@@ -25,26 +27,19 @@ from typing import Any, Optional
 
 import torch
 
-from recipe.common import cfg_get, cfg_lookup
-from recipe.fipo.algorithm import compute_policy_loss_fipo
+from recipe.common import cfg_lookup, global_batch_info
+from recipe.declaration import param
+from recipe.registry import get_policy_loss_spec
 
-#: The opt-in key (``actor_rollout_ref.actor.policy_loss.fipo_allow_split_step``).
-ALLOW_SPLIT_KEY = "fipo_allow_split_step"
+#: The opt-in (``actor_rollout_ref.actor.policy_loss.fipo_allow_split_step``): a verl-adapter key, not a loss
+#: parameter (the registry's FIPO has no split to allow).
+ALLOW_SPLIT = param("fipo_allow_split_step", False,
+                    help="verl: accept a split optimizer step for FIPO (several micro-batches or GPUs); the dropped "
+                         "rows then stay in the step's denominator (logged as fipo/split_step_approximate).")
+ALLOW_SPLIT_KEY = ALLOW_SPLIT.name
 #: Logged on every call: 1 when the opt-in approximation ran, 0 when the call was the exact step.
 APPROXIMATE_METRIC = "fipo/split_step_approximate"
 KEY_PREFIX = "actor_rollout_ref.actor"
-
-
-def _config_view(config: Any, global_batch_info: dict[str, Any]) -> dict[str, Any]:
-    """A dict view of verl's ActorConfig (the loss reads it like the config) with another ``global_batch_info``."""
-    if isinstance(config, dict):
-        out = dict(config)
-    elif hasattr(config, "__dict__"):
-        out = dict(vars(config))
-    else:
-        out = {k: v for k, v in config.items()}
-    out["global_batch_info"] = global_batch_info
-    return out
 
 
 def split_step_message(batch_num_tokens: Any, own_tokens: int, dp_size: int) -> str:
@@ -66,29 +61,26 @@ def compute_policy_loss_fipo_verl(
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """``fipo`` in verl's registry: the registry's FIPO, exact when the call is the step, else refused (module doc)."""
-    info = dict(cfg_get(config, "global_batch_info", None) or {})
+    """``fipo`` in verl's registry: the registry's FIPO on a step that is one call, else refused (module doc)."""
+    spec = get_policy_loss_spec("fipo")
+    info = global_batch_info(config)
     dp_size = int(info.get("dp_size") or 1)
     batch_num_tokens = info.get("batch_num_tokens")
-    own_tokens = int(response_mask.bool().sum())
     if isinstance(batch_num_tokens, torch.Tensor):
         batch_num_tokens = int(batch_num_tokens.item())
-    whole_step = dp_size == 1 and (batch_num_tokens is None or int(batch_num_tokens) == own_tokens)
-    if whole_step:
-        # The call is the step: the reference, with this call's kept tokens (and kept rows) as the denominators.
-        lsf = info.get("loss_scale_factor")
-        view = _config_view(config, {} if lsf is None else {"loss_scale_factor": lsf})
-        loss, metrics = compute_policy_loss_fipo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                                 view, rollout_is_weights)
+    own_tokens = int(response_mask.bool().sum())
+    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    if dp_size == 1 and (batch_num_tokens is None or int(batch_num_tokens) == own_tokens):
+        loss, metrics = spec.fn(*args)  # the call is the step: the registry's FIPO is the reference with it
         return loss, {**metrics, APPROXIMATE_METRIC: 0.0}
     allowed, path = cfg_lookup(config, (f"policy_loss.{ALLOW_SPLIT_KEY}", ALLOW_SPLIT_KEY), False)
-    if allowed is not True:
-        if allowed is not False:
-            raise ValueError(f"{KEY_PREFIX}.{path} must be true or false, got {allowed!r}")
+    if not ALLOW_SPLIT.check(allowed, f"{KEY_PREFIX}.{path}"):
         raise ValueError(split_step_message(batch_num_tokens, own_tokens, dp_size))
-    loss, metrics = compute_policy_loss_fipo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                             config, rollout_is_weights)
+    # opted in: this call's drop, verl's count as given (the step's dropped rows stay in its denominator)
+    keep = spec.row_selector(old_log_prob, log_prob, advantages, response_mask, config=config)["row_keep_mask"]
+    loss, metrics = spec.fn(*args, row_keep_mask=keep)
     return loss, {**metrics, APPROXIMATE_METRIC: 1.0}
 
 
-__all__ = ["ALLOW_SPLIT_KEY", "APPROXIMATE_METRIC", "compute_policy_loss_fipo_verl", "split_step_message"]
+__all__ = ["ALLOW_SPLIT", "ALLOW_SPLIT_KEY", "APPROXIMATE_METRIC", "compute_policy_loss_fipo_verl",
+           "split_step_message"]

@@ -1,25 +1,39 @@
-"""The verl plugin: puts the stalerl losses into verl's ``POLICY_LOSS_REGISTRY``.
+"""The verl plugin: puts every stalerl loss into verl's ``POLICY_LOSS_REGISTRY``.
 
 Declared in pyproject.toml as the entry point ``stalerl`` of group ``verl.plugins``; verl (>=0.9) imports it from
-``verl/__init__.py``, i.e. in every process that imports verl (driver, TaskRunner, Ray workers). The functions
-registered are the very objects held by ``recipe.registry`` (no wrapper): verl calls
-``recipe.m2po.algorithm.compute_policy_loss_m2po`` itself, per micro-batch, with its ``ActorConfig`` as ``config``.
-The one exception is ``fipo``: verl gets :func:`recipe.verl.losses.compute_policy_loss_fipo_verl`, the registry's
-FIPO behind a check that the call is the whole optimizer step (FIPO's drop cannot be exact across verl's
-micro-batches; see that module).
+``verl/__init__.py``, i.e. in every process that imports verl (driver, TaskRunner, Ray workers). Every loss of
+``recipe.registry.declarations()`` registers -- the built-ins and the losses of the ``recipe.losses`` entry points
+(plugins) -- under its verl name (``declaration.name_in("verl")``). The functions registered are the very objects
+held by ``recipe.registry`` (no wrapper): verl calls ``get_policy_loss_fn("m2po")`` itself, per micro-batch, with its
+``ActorConfig`` as ``config``. The one exception is ``fipo``: verl gets
+:func:`recipe.verl.losses.compute_policy_loss_fipo_verl`, the registry's FIPO behind verl's whole-step check (FIPO's
+drop cannot be exact across verl's micro-batches; see that module).
 
-Metrics: the recipe's keys (``m2po/*``, ``fipo/*``, FIPO's clip fractions ``fipo/clip_fraction`` and
-``fipo/dual_clip_fraction`` included) reach the trainer's logs as ``actor/m2po/...`` and ``actor/fipo/...`` (verl's
-trainer prefixes every actor metric with ``actor/``), reduced by verl once per optimizer step (mini-batch): the mean
-over its micro-batches and data-parallel ranks.
+Metrics: whatever keys a loss returns (``m2po/*``, ``fipo/*``, a plugin's ``<loss>/*``) reach the trainer's logs as
+``actor/<key>`` (verl's trainer prefixes every actor metric with ``actor/``). verl reduces them itself, once per
+optimizer step (mini-batch), and cannot be told a rule: its ``ppo_loss`` wraps every policy-loss metric as
+``Metric(aggregation=MEAN)`` (a loss that returns a ``Metric`` of another aggregation is refused by verl's
+``Metric.from_dict``), and the engine takes the plain mean over the step's micro-batches and data-parallel ranks
+(the trainer then logs the mean over the optimizer steps of one training step).
+Against the declared rules (``LossDeclaration.metrics``, ``recipe.declaration.reduce_metrics``):
+
+- a step that is one loss call (one micro-batch, one GPU: what FIPO needs in verl anyway) is exact for every rule;
+- ``MEAN`` (weighted by valid tokens, rows or a count metric) becomes the unweighted mean of the calls' values:
+  exact when every call has the same weight, otherwise an approximation;
+- ``SUM`` (``m2po/num_*_tokens``, ``fipo/num_kept_tokens``, a plugin's counts) becomes the mean per call: the step's
+  total divided by the number of micro-batches x ranks;
+- ``MAX`` (``no_trust_region/ratio_max``) becomes the mean of the calls' maxima (at most the step's max).
+
+The stalerl runtime, TRL, ms-swift, AReaL and Trinity-RFT reduce by the declared rules; in verl, compare counts and
+maxima across runs only at the same micro-batch split (or with one call per step).
 
 The installed verl's version is checked against the tested range (``recipe.versions``) before anything registers:
 outside it the plugin refuses, unless ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through (then it warns).
 
 verl swallows plugin import errors (it logs them at DEBUG), which would surface much later as a bare
 "Unsupported loss mode: m2po". So a failure here is logged at ERROR with its traceback before it is raised, and the
-config class :class:`recipe.verl.config.M2POPolicyLossConfig` -- the packaged config's ``policy_loss._target_``
--- registers again on import and raises, so a broken install stops the run at config time.
+generated config classes (:mod:`recipe.verl.config`, e.g. ``M2POPolicyLossConfig``, the packaged config's
+``policy_loss._target_``) register again on import and raise, so a broken install stops the run at config time.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from recipe.verl import VERL_LOSS_NAMES, loss_function
+from recipe.verl import loss_function, verl_loss_names
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +67,15 @@ def register() -> dict[str, Any]:
     from recipe.versions import FRAMEWORKS
 
     registered: dict[str, Any] = {}
-    for verl_name in VERL_LOSS_NAMES:
+    for verl_name, name in verl_loss_names().items():
         fn = loss_function(verl_name)
         current = core_algos.POLICY_LOSS_REGISTRY.get(verl_name)
         if current is not None and current is not fn and _qualname(current) != _qualname(fn):
             raise RuntimeError(
                 f"verl policy loss {verl_name!r} is already registered by {_qualname(current)}; stalerl refuses to "
-                f"replace it with {_qualname(fn)}. Uninstall the other plugin or disable it with "
-                f"VERL_USE_EXTERNAL_PLUGINS=<comma-separated names to load>."
+                f"replace it with {_qualname(fn)} (recipe.registry loss {name!r}). Uninstall the other plugin or "
+                f"disable it with VERL_USE_EXTERNAL_PLUGINS=<comma-separated names to load>; or, for a loss of "
+                f"yours, give it another verl name: LossDeclaration(framework_names={{'verl': ...}})."
             )
         core_algos.register_policy_loss(verl_name)(fn)
         if core_algos.get_policy_loss_fn(verl_name) is not fn:

@@ -12,6 +12,7 @@ from stalerl.config.errors import _DEFER_CHECKS, ConfigError
 from stalerl.config.rules import _resolve_python_interpolations, validate
 from stalerl.config.section import _f, _Section
 from stalerl.config.slurm import SlurmConfig
+from recipe import rollout_correction as _rc
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -246,8 +247,9 @@ class NormConfig(_Section):
 
 
 @dataclass
-class ActorConfig(_Section):
-    """The policy being trained: model, training engine, optimizer and the policy loss."""
+class _ActorFields(_Section):
+    """The policy being trained: model, training engine, optimizer and the policy loss. The losses' own parameters
+    (``actor.m2_threshold``, ``actor.fipo_*``, ...) are generated from their declarations: :data:`ActorConfig`."""
 
     path: str = _f("tiny:qwen2", help="HF model directory (or hub name available offline), or tiny:qwen2 / "
                                       "tiny:llama for the embedded from-scratch model shaped by actor.tiny.")
@@ -271,28 +273,10 @@ class ActorConfig(_Section):
     loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
                                                "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
                                                "seq-mean-token-mean.")
-    m2_threshold: float = _f(0.04, ge=0.0, help="M2PO: the largest squared log-ratio tokens are masked until the "
-                                                "mean M2 of the rest is below this (>= 0; 0 masks every token with "
-                                                "a nonzero log-ratio).")
-    m2_scope: str = _f("dp_group", choices=("local", "dp_group"),
-                       help="M2PO selection scope over each optimizer mini-batch (always all of its micro-batches): "
-                            "dp_group = across all data-parallel ranks, exactly Algorithm 1 on the whole "
-                            "mini-batch; local = each rank's share separately.")
     eps_clip: float = _f(0.2, ge=0.0, help="PPO clip range (lower side; also the upper side unless "
                                            "eps_clip_higher is set). Used by the vanilla loss.")
     eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
     c_clip: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant (> 1) for negative advantages; null = off.")
-    fipo_decay_rate: float = _f(32.0, gt=0.0, help="FIPO: half-life in tokens of the Future-KL discount, "
-                                                   "gamma = 2^(-1/decay_rate).")
-    fipo_clip_ratio_c: float = _f(10.0, gt=1.0, help="FIPO: dual-clip constant c; tokens with ratio > c leave the "
-                                                     "Future-KL sums, and an A < 0 row with more than one of them is "
-                                                     "dropped. Must exceed 1 + the upper PPO clip range.")
-    fipo_influence_clip_ratio: float = _f(0.2, ge=0.0, help="FIPO: eps_f, the influence-weight clip; 0 = weights "
-                                                            "capped at 10 only.")
-    fipo_influence_clip_high_only: bool = _f(True, help="FIPO: clip weights to [1, 1+eps_f] (true) or "
-                                                        "[1-eps_f, 1+eps_f] (false).")
-    fipo_safety_threshold: float = _f(10.0, gt=0.0, help="FIPO: for A < 0 tokens with ratio above this, the weight "
-                                                         "is clamped into [0.8, 1]; >= 5e8 never fires.")
     ppo_n_minibatches: int = _f(1, ge=1, help="Optimizer steps per train step; must divide "
                                               "train_dataset.batch_size.")
     reward_scaling: float = _f(1.0, help="Rewards become (reward + reward_bias) * reward_scaling.")
@@ -346,20 +330,43 @@ class ActorConfig(_Section):
                                          f"{_did_you_mean(self.loss_agg_mode, LOSS_AGG_MODES)}. "
                                          "Fix: set actor.loss_agg_mode="
                                          f"{_fix_value(self.loss_agg_mode, LOSS_AGG_MODES, 'token-mean')}."))
-        if self.loss == "fipo":
+        if is_policy_loss_registered(self.loss):  # the chosen loss's cross-parameter rules, from its declaration
+            from recipe.registry import get_declaration
+
+            decl = get_declaration(self.loss)
             eps_high = self.eps_clip_higher if self.eps_clip_higher is not None else self.eps_clip
-            if self.fipo_clip_ratio_c <= 1.0 + eps_high:
-                out.append(("fipo_clip_ratio_c", f"got {self.fipo_clip_ratio_c}; FIPO needs c > 1 + the upper PPO "
-                                                 f"clip range (1 + {eps_high}). Fix: set actor.fipo_clip_ratio_c=10."))
-            if not self.fipo_influence_clip_high_only and self.fipo_influence_clip_ratio >= 1.0:
-                out.append(("fipo_influence_clip_ratio", f"got {self.fipo_influence_clip_ratio} with "
-                                                         "fipo_influence_clip_high_only=false; the lower bound "
-                                                         "1 - eps_f must stay positive. Fix: set "
-                                                         "actor.fipo_influence_clip_ratio=0.2."))
+            values = {p.name: getattr(self, p.name) for p in decl.params if hasattr(self, p.name)}
+            if len(values) == len(decl.params):
+                out.extend(decl.problems(values, (self.eps_clip, eps_high)))
         if self.kl_coef != 0.0:
             out.append(("kl_coef", f"got {self.kl_coef!r}; a KL penalty is not supported yet. Fix: set "
                                    "actor.kl_coef=0."))
         return out
+
+
+def _loss_param_fields() -> list[tuple[str, type, Any]]:
+    """``actor.<name>`` for every parameter of every declared loss (recipe/<loss>/declaration.py, and the losses of
+    the ``recipe.losses`` entry points): its default, bounds, choices and help, from the declaration. Two losses may
+    share a parameter (m2po and m2po_authors share tau) only if they declare it identically."""
+    from recipe.registry import declarations
+
+    params: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for decl in declarations().values():
+        for p in decl.params:
+            if p.name in params and params[p.name] != p:
+                raise TypeError(f"loss {decl.name!r} declares actor.{p.name} differently from loss {owner[p.name]!r}; "
+                                "a shared parameter needs one declaration (reuse the other loss's Param)")
+            params.setdefault(p.name, p)
+            owner.setdefault(p.name, decl.name)
+    return [(name, p.kind, _f(p.default_in("stalerl"), help=p.help, choices=p.choices, ge=p.ge, gt=p.gt, le=p.le))
+            for name, p in params.items()]
+
+
+#: The actor section: the fields above plus the declared losses' parameters (generated, see _loss_param_fields).
+ActorConfig = dataclasses.make_dataclass("ActorConfig", _loss_param_fields(), bases=(_ActorFields,))
+ActorConfig.__module__ = __name__
+ActorConfig.__doc__ = _ActorFields.__doc__
 
 
 @dataclass
@@ -501,17 +508,14 @@ class RolloutCorrectionConfig(_Section):
     or drops tokens by rho = exp(trainer log-prob - engine log-prob) at the generating weights (the engine and the
     trainer never agree exactly: bf16 kernels, vLLM). Needs both log-probs, so actor.behavior_logp=recompute."""
 
-    # The names are recipe.rollout_correction.MODES (kept literal here so loading a config never imports torch; a unit
-    # test holds the two equal).
-    mode: str = _f("none", choices=("none", "tis_token", "tis_seq", "rs_token", "rs_seq", "rs_geo", "icepop"),
-                   help="none; tis_token: w = min(rho, threshold) per token; tis_seq: min(row rho, threshold) on the "
-                        "row (row rho = exp(sum log rho)); rs_token: drop tokens with rho outside [low, high]; "
-                        "rs_seq: drop rows whose row rho is outside [low, high]; rs_geo: the same on the row's "
-                        "geometric mean; icepop: keep tokens with rho in [low, high], weighted by rho. Dropped tokens "
-                        "leave the loss mask and its denominator.")
-    threshold: float = _f(2.0, gt=0.0, help="tis_token / tis_seq: the truncation of the importance weight.")
-    low: float = _f(0.5, ge=0.0, help="rs_* / icepop: the lowest rho kept.")
-    high: float = _f(5.0, gt=0.0, help="rs_* / icepop: the highest rho kept.")
+    # Modes, their help and the defaults come from recipe/rollout_correction.py (torch-free at import).
+    mode: str = _f("none", choices=_rc.MODES,
+                   help="; ".join(f"{m}: {h}" for m, h in _rc.MODE_HELP.items()) + ". Dropped tokens leave the loss "
+                        "mask and its denominator.")
+    threshold: float = _f(_rc.DEFAULT_THRESHOLD, gt=0.0, help="tis_token / tis_seq: the truncation of the importance "
+                                                              "weight.")
+    low: float = _f(_rc.DEFAULT_LOW, ge=0.0, help="rs_* / icepop: the lowest rho kept.")
+    high: float = _f(_rc.DEFAULT_HIGH, gt=0.0, help="rs_* / icepop: the highest rho kept.")
 
     def _check(self) -> List[Tuple[str, str]]:
         if self.low < self.high and math.isfinite(self.high):

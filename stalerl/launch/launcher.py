@@ -13,14 +13,17 @@ from stalerl.core.interrupt import RunInterrupted
 
 
 def build_trainer(cfg: ExperimentConfig):
-    """The synchronous loop (optionally with a fixed-staleness FIFO) or the asynchronous dX+dY runtime."""
-    if is_async(cfg):
-        from stalerl.training.async_trainer import AsyncTrainer
-
-        return AsyncTrainer(cfg)
+    """The training loop with its rollout source: the asynchronous dX+dY workers under admission control, or the
+    synchronous in-process generation (optionally with a fixed-staleness FIFO)."""
     from stalerl.training.trainer import Trainer
 
-    return Trainer(cfg)
+    if is_async(cfg):
+        from stalerl.training.async_source import AdmissionSource
+
+        return Trainer(cfg, source=AdmissionSource)
+    from stalerl.training.sources import FixedStalenessSource
+
+    return Trainer(cfg, source=FixedStalenessSource)
 
 
 def launch(cfg: ExperimentConfig, *, dry_run: bool = False, plot: bool = False) -> dict[str, Any]:

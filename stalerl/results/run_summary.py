@@ -42,7 +42,7 @@ Provenance (added within schema 2; summaries without these fields load unchanged
   ``Qwen/Qwen2.5-0.5B``, a dataset file given relative to the working directory) are part of what is trained and
   stay, like every other key and value (seed and threads included). ``config_digest`` (every key as written) and
   ``setting_digest`` are unchanged. ``stalerl-study`` reuses a collected run only when this digest and the code
-  match (:func:`stalerl.launch.study.reuse_refusal`).
+  match (:func:`stalerl_study.cli.reuse_refusal`).
 """
 
 from __future__ import annotations
@@ -63,26 +63,28 @@ from stalerl.core.io import atomic_write_text
 
 SUMMARY_FILE = "summary.json"
 SCHEMA = 2  # 2: diagnostic curves and scalars, eval_every; status 'diverged'. Schema 1 still loads.
-WARM_START_MARKER = "warm_start.json"  # written next to a cached warm-started model (stalerl.launch.study)
+WARM_START_MARKER = "warm_start.json"  # written next to a cached warm-started model (stalerl_study.cli)
 CURVE_POINTS = 60  # per metric: enough for a figure, small enough to commit
 CURVE_METRICS = ("reward/consumed", "reward/generated", "actor/grad_norm", "staleness/avg")
 # The drift diagnostics (schema 2), kept as compact curves so a reader can see what the trust region saw: M2 before /
 # after masking and over all tokens, the largest |log-ratio| and ratio, clip / masked fractions, the sampling
 # policy's entropy, and the gradient norm before clipping (actor/grad_norm above). Per-bin max for the maxima, so a
 # downsampled curve keeps its spikes.
-DIAGNOSTIC_METRICS = ("actor/m2po/m2_before", "actor/m2po/m2_after", "actor/m2_all_tokens",
-                      "actor/log_ratio_abs_max", "actor/ratio_max", "actor/vanilla/clip_fraction",
-                      "actor/m2po/masked_fraction", "actor/m2po/would_clip_fraction", "rollout/entropy")
+_RUNTIME_DIAGNOSTICS = ("actor/m2_all_tokens", "actor/log_ratio_abs_max", "actor/ratio_max", "rollout/entropy")
+
+
+def _loss_diagnostics() -> tuple[str, ...]:
+    """Each declared loss's diagnostics (recipe/<loss>/declaration.py), as the actor logs them (``actor/...``)."""
+    from recipe.registry import declarations
+
+    return tuple(f"actor/{key}" for decl in declarations().values() for key in decl.diagnostics)
+
+
+DIAGNOSTIC_METRICS = (*_RUNTIME_DIAGNOSTICS, *_loss_diagnostics())
 # Which tokens the trust region removes (issue 30): per quadrant (pos_r_gt_1: A > 0, r > 1; neg_r_lt_1: A < 0,
 # r < 1) the removed tokens and their share of the trust region's gradient weight |A r|, for M2PO's mask, clip's clip
 # and the authors' adaptive clip. Runs that predate these metrics simply have no such curves.
-QUADRANT_DIAGNOSTICS = tuple(
-    f"actor/{loss}/{what}_{q}"
-    for loss, noun in (("m2po", "masked"), ("vanilla", "clipped"), ("m2po_authors", "clipped"))
-    for what in (f"num_{noun}", f"{noun}_weight_share")
-    for q in ("pos_r_gt_1", "neg_r_lt_1"))
-DIAGNOSTIC_METRICS += (*QUADRANT_DIAGNOSTICS, "actor/m2po_authors/clip_fraction", "actor/m2po_authors/m2_before",
-                       "actor/m2po_authors/log_ratio_bound")
+QUADRANT_DIAGNOSTICS = tuple(k for k in DIAGNOSTIC_METRICS if k.endswith(("_pos_r_gt_1", "_neg_r_lt_1")))
 # Config sections that do not change what is learned: left out of ``setting_digest`` (with seed and names), so
 # runs of one setting over seeds share it.
 _NON_SETTING_KEYS = ("seed", "experiment_name", "trial_name", "cluster", "scheduler", "stats_logger", "recover",

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from recipe.declaration import reduce_metrics
+from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch
 from recipe.registry import get_policy_loss_spec
 from recipe.rollout_correction import CorrectionParams, apply_correction
 from stalerl.core.chunked_logprob import chunked_logprob_check, default_chunk_elements, head_returns_token_logprobs
@@ -98,41 +100,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, opt_cfg: Any, total_upd
 
 
 def loss_config(actor_cfg: Any) -> dict[str, Any]:
-    """The keys the registered losses read (see recipe.common.cfg_get), from the runtime's actor config."""
-    return {
-        "m2_threshold": actor_cfg.m2_threshold,
-        "m2_scope": "local",  # inside the loss call; the actor's batch selector covers the mini-batch (module doc)
-        "eps_clip": actor_cfg.eps_clip,
-        "eps_clip_higher": actor_cfg.eps_clip_higher,
-        "c_clip": actor_cfg.c_clip,
-        "fipo_decay_rate": actor_cfg.fipo_decay_rate,
-        "fipo_clip_ratio_c": actor_cfg.fipo_clip_ratio_c,
-        "fipo_influence_clip_ratio": actor_cfg.fipo_influence_clip_ratio,
-        "fipo_influence_clip_high_only": actor_cfg.fipo_influence_clip_high_only,
-        "fipo_safety_threshold": actor_cfg.fipo_safety_threshold,
-        "global_batch_info": {},
-    }
+    """The config the registered losses read: every declared loss parameter from ``actor.<name>`` (a parameter
+    that scopes the step planner, M2PO's ``m2_scope``, gets its in-call value: the plan covered the scope, module
+    doc) and the PPO clip under the runtime's names."""
+    from recipe.registry import declarations
 
-
-def combine_micro_batch_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """One value per key from the loss metrics of a mini-batch's micro-batches, ``parts = [(valid tokens,
-    metrics)]``, exact for the conventions of the registered losses: keys ending in ``_max`` take the max, counts
-    (``num_`` keys) the sum, everything else is a per-token mean of its micro-batch and is weighted by the
-    micro-batch's valid-token count (a plain mean would over-weight a short micro-batch). With no valid tokens at
-    all, plain means."""
-    keys = sorted(set().union(*(m for _, m in parts))) if parts else []
-    out: dict[str, float] = {}
-    for k in keys:
-        vals = [(w, m[k]) for w, m in parts if k in m]
-        leaf = k.rsplit("/", 1)[-1]
-        if leaf.endswith("_max"):
-            out[k] = max(v for _, v in vals)
-        elif leaf.startswith("num_"):
-            out[k] = sum(v for _, v in vals)
-        elif sum(w for w, _ in vals) > 0:
-            out[k] = sum(w * v for w, v in vals) / sum(w for w, _ in vals)
-        else:
-            out[k] = sum(v for _, v in vals) / len(vals)
+    out: dict[str, Any] = {}
+    for decl in declarations().values():
+        for p in decl.params:
+            out[p.name] = p.planned_value if p.step_scope else getattr(actor_cfg, p.name)
+    out.update(eps_clip=actor_cfg.eps_clip, eps_clip_higher=actor_cfg.eps_clip_higher, c_clip=actor_cfg.c_clip,
+               global_batch_info={})
     return out
 
 
@@ -321,6 +299,21 @@ class Actor:
             torch.distributed.all_reduce(t, group=self.dp.group)
         return t
 
+    def _needs_plan(self, n_micro: int) -> bool:
+        """Whether the step needs the planner: a loss whose step needs a selector, split over micro-batches or
+        ranks (one call over the whole step decides for itself, with the same result and no extra forward)."""
+        return self.spec.declaration.step != "nothing" and (n_micro > 1 or self.dp.size > 1)
+
+    def _plan_group(self) -> Optional[Any]:
+        """The ranks one step decision spans: all data-parallel ranks, unless the loss's step-scope parameter
+        (M2PO's m2_scope) says local."""
+        if self.dp.size == 1:
+            return None
+        scoped = [p for p in self.spec.declaration.params if p.step_scope]
+        if scoped and getattr(self.cfg, scoped[0].name) == "local":
+            return None
+        return self.dp.group
+
     def update(self, batch: RolloutBatch, advantages: torch.Tensor,
                minibatch_sizes: Optional[list[int]] = None) -> dict[str, float]:
         """ppo_n_minibatches optimizer steps over the batch; returns step metrics (means over mini-batches).
@@ -362,37 +355,28 @@ class Actor:
                                     "global_batch_size": int(totals[1]), "loss_scale_factor": self.loss_scale_factor}
         extra_full: dict[str, torch.Tensor] = {}
         selection_metrics: dict[str, float] = {}
-        if self.spec.batch_selector is not None and (len(micro) > 1 or self.dp.size > 1):
-            # One selection per mini-batch (no-grad forward over every micro-batch first), so splitting the
-            # mini-batch into micro-batches or ranks cannot change which tokens are masked.
+        if self._needs_plan(len(micro)):
+            # One decision per mini-batch by the one exact-step planner (recipe.optimizer_batch), from a no-grad
+            # forward over every micro-batch first: M2PO's selection over the whole mini-batch (and, with
+            # m2_scope=dp_group, every rank), or FIPO's drops decided on the whole mini-batch (rows never span
+            # micro-batches) with the step's denominators counting only the kept tokens and rows of all ranks. So
+            # splitting the mini-batch into micro-batches or ranks cannot change the update.
             current = self.compute_logp(mini)
-            across_ranks = self.dp.size > 1 and self.cfg.m2_scope == "dp_group"
-            selected = self.spec.batch_selector(mini.behavior_logp, current, adv, loss_mask, config=cfg,
-                                                group=self.dp.group if across_ranks else None)
-            selection = selected.pop("selection", None)
-            if selection is not None:
-                selection_metrics = selection.metrics()
-            extra_full = selected
-        elif self.spec.row_selector is not None and len(micro) == 1 and self.dp.size == 1:
-            # FIPO drops whole rows, and a dropped row leaves the numerator and the denominator of the step: one loss
-            # call over the whole step counts its kept tokens and rows itself (the all-valid counts would keep the
-            # dropped rows in the denominator).
-            del cfg["global_batch_info"]["batch_num_tokens"], cfg["global_batch_info"]["global_batch_size"]
+            plan = plan_optimizer_batch(self.cfg.loss, [MicroBatch(mini.behavior_logp, current, adv, loss_mask)],
+                                        cfg, group=self._plan_group())
+            extra_full = plan.extras[0]
+            if plan.selection is not None:
+                selection_metrics = plan.selection.metrics()
+            if plan.row_drops is not None:  # token-mean divides by the kept tokens, the seq-mean modes by kept rows
+                cfg["global_batch_info"]["batch_num_tokens"] = plan.num_tokens
+                cfg["global_batch_info"]["global_batch_size"] = plan.num_rows
         elif self.spec.row_selector is not None:
-            # Split: the drops are decided on the whole mini-batch first (rows never span micro-batches, so this
-            # decides what each micro-batch would) and batch_num_tokens counts the kept tokens of all ranks.
-            current = self.compute_logp(mini)
-            keep = self.spec.row_selector(mini.behavior_logp, current, adv, loss_mask,
-                                          config=cfg)["row_keep_mask"].bool() & loss_mask
-            kept = self._all_reduce_sum(torch.tensor([float(keep.sum()), float(keep.any(dim=-1).sum())],
-                                                     dtype=torch.float64))
-            # token-mean divides by the kept tokens, the seq-mean modes by the kept rows (the loss's own counts)
-            cfg["global_batch_info"]["batch_num_tokens"] = int(kept[0])
-            cfg["global_batch_info"]["global_batch_size"] = int(kept[1])
-            extra_full = {"row_keep_mask": keep}
+            # One call is the whole step: FIPO counts its kept tokens and rows itself (the all-valid counts would
+            # keep the dropped rows in the denominator).
+            del cfg["global_batch_info"]["batch_num_tokens"], cfg["global_batch_info"]["global_batch_size"]
 
         loss_sum = 0.0
-        metric_parts: list[tuple[float, dict[str, float]]] = []  # (valid tokens, metrics) per micro-batch
+        metric_parts: list[tuple[dict[str, float], dict[str, float]]] = []  # (counts, metrics) per micro-batch
         sq_sum, n_tokens, max_abs = 0.0, 0.0, 0.0  # M2 over all valid tokens, for comparisons across losses
         max_log_ratio = -math.inf  # the largest importance ratio, for every loss (not only no_trust_region)
         for rows in micro:
@@ -408,7 +392,8 @@ class Actor:
                 **kwargs)
             loss.backward()
             loss_sum += float(loss.detach())
-            metric_parts.append((float(mb_mask.sum()), {k: float(v) for k, v in metrics.items()}))
+            metric_parts.append(({"valid_tokens": float(mb_mask.sum()), "rows": float(len(rows))},
+                                 {k: float(v) for k, v in metrics.items()}))
             with torch.no_grad():
                 d = torch.where(mb_mask, lp.detach().cpu() - mb.behavior_logp, torch.zeros(()))
                 sq_sum += float((d * d).sum())
@@ -435,7 +420,8 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         grad_norm = fsdp.to_float(grad_norm)  # waits for the device, so the time below is the step's
         self.optimizer_seconds += time.perf_counter() - t_opt
-        out = {f"actor/{k}": v for k, v in combine_micro_batch_metrics(metric_parts).items()}
+        # one value per metric by the loss's declared rules (recipe/declaration.py)
+        out = {f"actor/{k}": v for k, v in reduce_metrics(metric_parts, self.spec.declaration.metrics).items()}
         out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
         out.update(correction_metrics)  # rollout_correction/* (none: no keys)
         out["actor/loss"] = loss_sum

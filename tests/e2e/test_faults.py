@@ -477,7 +477,7 @@ def test_report_of_a_run_directory_writes_figures_to_the_current_directory(finis
     before = sorted(p.name for p in finished_trial.iterdir())
     cwd = tmp_path / "here"
     cwd.mkdir()
-    res = subprocess.run([sys.executable, "-m", "stalerl.results.report", str(finished_trial)], cwd=cwd, env=_env(),
+    res = subprocess.run([sys.executable, "-m", "stalerl_study.report", str(finished_trial)], cwd=cwd, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in finished_trial.iterdir()) == before  # nothing written into the run folder

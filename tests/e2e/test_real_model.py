@@ -56,13 +56,13 @@ def test_sync_steps_use_the_chat_template_stop_at_im_end_and_are_on_policy(tmp_p
     assert tok.pad_token_id == tok.eos_token_id == im_end and trainer.engine.stop_ids[0] == im_end
     trainer.warm_start_done = True
     generated = []
-    generate = trainer.generate_batch
+    generate = trainer.source.generate_batch
 
     def capture():
         generated.append(generate())
         return generated[-1]
 
-    trainer.generate_batch = capture
+    trainer.source.generate_batch = capture
     torch.manual_seed(0)
     metrics = trainer.train_step()  # staleness 0: trains on the batch it just generated
     batch = generated[0]

@@ -9,7 +9,23 @@ log-probs and advantages are GRPO-like, with enough drift that M2PO masks some t
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
+
+try:
+    VERL_AVAILABLE = importlib.util.find_spec("verl") is not None
+except (ImportError, ValueError):
+    VERL_AVAILABLE = False
+
+#: The marks of every verl test module: the `verl` marker, skipped (with the install line) where verl is missing.
+VERL_MARKS = [
+    pytest.mark.verl,
+    pytest.mark.skipif(not VERL_AVAILABLE, reason=(
+        'verl is not installed: pip install "stalerl[verl]" -c <(echo torch==$(python -c '
+        '"import torch;print(torch.__version__)"))')),
+]
 
 PROMPT_LENS = (5, 3, 7, 2, 4, 6, 1, 3)
 RESPONSE_LENS = (16, 11, 7, 3, 13, 9, 16, 5)

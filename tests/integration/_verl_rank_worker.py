@@ -57,7 +57,9 @@ def main() -> None:
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a client of the store the test process holds on the port (tests/_ports.py): no rank binds it
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
+                            world_size=world)
     try:
         case = C.make_case()
         bsz = len(case["response_lens"])

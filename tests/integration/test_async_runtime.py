@@ -164,9 +164,9 @@ def test_disk_weight_sync_with_two_rollout_workers(tmp_path):
 
 
 def test_a_dying_dispatcher_fails_the_run_instead_of_hanging():
-    from stalerl.training.async_trainer import AsyncTrainer
+    from stalerl.training.async_source import AdmissionSource
 
-    t = AsyncTrainer.__new__(AsyncTrainer)  # only the failure plumbing, no workers
+    t = AdmissionSource.__new__(AdmissionSource)  # only the failure plumbing, no workers
     import threading
 
     t.cond, t.failure, t.stop_event = threading.Condition(), None, threading.Event()

@@ -70,8 +70,8 @@ def runtime(tmp_path_factory):
     trainer.run_warm_start()  # 100 supervised steps: ~10% of the samples are right, so some groups differ
     trainer.warm_start_done = True
     generated, grads = [], []
-    generate = trainer.generate_batch
-    trainer.generate_batch = lambda: generated.append(generate()) or generated[-1]
+    generate = trainer.source.generate_batch
+    trainer.source.generate_batch = lambda: generated.append(generate()) or generated[-1]
     _capture_grads(trainer.model, trainer.actor.optimizer, grads)
 
     v0 = copy.deepcopy(trainer.model)

@@ -16,7 +16,6 @@ Run: ``pytest -m verl tests/integration -k fipo``. Against the real verl package
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -30,15 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _verl_cases as C  # noqa: E402
 
-try:
-    VERL_AVAILABLE = importlib.util.find_spec("verl") is not None
-except (ImportError, ValueError):
-    VERL_AVAILABLE = False
-
-pytestmark = [
-    pytest.mark.verl,
-    pytest.mark.skipif(not VERL_AVAILABLE, reason='verl is not installed: pip install "stalerl[verl]"'),
-]
+pytestmark = C.VERL_MARKS
 
 KEY = "actor_rollout_ref.actor.policy_loss"
 TIMEOUT = 420
@@ -109,7 +100,9 @@ def _actor(env, **policy_loss):
                            policy_loss=env.FIPOPolicyLossConfig(**policy_loss))
 
 
-def _direct(env, case, rows, config, global_batch_info=None):
+def _direct(env, case, rows, config, global_batch_info=None, planned=False):
+    """The registry's FIPO, one call on ``rows`` (``planned``: with its row selector's ``row_keep_mask``, so that
+    ``global_batch_info``'s count is used as given)."""
     flat = C.flat_for_rows(case, rows).requires_grad_(True)
     width = max(case["response_lens"][i] for i in rows)
     lp = C.log_prob_from_flat(flat, case, rows, width)
@@ -117,9 +110,13 @@ def _direct(env, case, rows, config, global_batch_info=None):
            "policy_loss": {k: getattr(config.policy_loss, k) for k in (
                "fipo_decay_rate", "fipo_clip_ratio_c", "fipo_influence_clip_ratio", "fipo_influence_clip_high_only",
                "fipo_safety_threshold")}, "global_batch_info": global_batch_info or {}}
-    loss, metrics = env.algorithm.compute_policy_loss_fipo(
-        old_log_prob=case["old"][rows, :width], log_prob=lp, advantages=case["adv"][rows, :width],
-        response_mask=case["mask"][rows, :width], loss_agg_mode="token-mean", config=cfg)
+    inputs = dict(old_log_prob=case["old"][rows, :width], log_prob=lp, advantages=case["adv"][rows, :width],
+                  response_mask=case["mask"][rows, :width])
+    extra = {}
+    if planned:
+        extra["row_keep_mask"] = env.algorithm.fipo_row_selector(
+            **{k: v.detach() for k, v in inputs.items()}, config=cfg)["row_keep_mask"]
+    loss, metrics = env.algorithm.compute_policy_loss_fipo(**inputs, loss_agg_mode="token-mean", config=cfg, **extra)
     loss.backward()
     return loss.detach(), flat.grad, metrics
 
@@ -224,7 +221,8 @@ def test_fipo_split_step_is_refused_before_any_update(verl_env):
 
 def test_fipo_split_step_opt_in_runs_logs_itself_and_measures_the_difference(verl_env):
     """With fipo_allow_split_step the split step keeps the dropped rows in verl's denominator: the loss and gradient
-    are the one call with the all-valid-token count (exactly), and differ from the reference by kept / valid."""
+    are the one call with its drop (row_keep_mask) and the all-valid-token count as given (exactly), and differ from
+    the reference by kept / valid."""
     case = _fipo_case(seed=1)
     bsz = len(case["response_lens"])
     n_global = C.num_tokens(case)
@@ -232,7 +230,8 @@ def test_fipo_split_step_opt_in_runs_logs_itself_and_measures_the_difference(ver
     total, grad, metrics = _split_step(verl_env, case, config)
     assert all(m[verl_env.losses.APPROXIMATE_METRIC].values == [1.0] for m in metrics)
     as_given, as_given_grad, _ = _direct(verl_env, case, list(range(bsz)), config,
-                                         {"dp_size": 1, "batch_num_tokens": n_global, "global_batch_size": bsz})
+                                         {"dp_size": 1, "batch_num_tokens": n_global, "global_batch_size": bsz},
+                                         planned=True)
     torch.testing.assert_close(total, as_given, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, as_given_grad, rtol=1e-6, atol=1e-8)
     ref_loss, _, ref_metrics = _direct(verl_env, case, list(range(bsz)), config)
@@ -275,17 +274,19 @@ def test_fipo_trainer_yaml_composes_and_carries_the_keys_to_the_loss(verl_env):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("fipo_decay_rate=0", "fipo_decay_rate must be a finite number > 0.0"),
-    ("fipo_clip_ratio_c=1", "fipo_clip_ratio_c must be a finite number > 1.0"),
-    ("fipo_influence_clip_ratio=-1", "fipo_influence_clip_ratio must be a finite number >= 0.0"),
-    ("fipo_safety_threshold=nan", "fipo_safety_threshold must be a finite number > 0.0"),
+    ("fipo_decay_rate=0", "fipo_decay_rate must be > 0.0, got 0"),
+    ("fipo_clip_ratio_c=1", "fipo_clip_ratio_c must be > 1.0, got 1"),
+    ("fipo_influence_clip_ratio=-1", "fipo_influence_clip_ratio must be >= 0.0, got -1"),
+    ("fipo_safety_threshold=nan", "fipo_safety_threshold must be finite, got nan"),
     ("fipo_influence_clip_high_only=maybe", "fipo_influence_clip_high_only must be true or false"),
     ("fipo_allow_split_step=1", "fipo_allow_split_step must be true or false"),
+    ("fipo_influence_clip_high_only=false", "fipo_influence_clip_ratio must be < 1 in symmetric mode"),
 ])
 def test_fipo_bad_values_fail_at_config_time(verl_env, override, message):
     from hydra.errors import InstantiationException
 
-    cfg = _compose(verl_env, [f"{KEY}.{override}"])
+    extra = [f"{KEY}.fipo_influence_clip_ratio=1.5"] if override == "fipo_influence_clip_high_only=false" else []
+    cfg = _compose(verl_env, [f"{KEY}.{override}", *extra])
     with pytest.raises(InstantiationException) as info:
         verl_env.omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert f"{KEY}.{message}" in str(info.value)

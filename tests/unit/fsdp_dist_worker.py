@@ -1,6 +1,6 @@
 """Ranks of the two-process gloo tests in tests/unit/test_fsdp.py (kept out of the test module so spawned processes
 import only what they need). Every rank builds the same tiny model and batch from seeds, takes its share of each
-global mini-batch (as AsyncTrainer._update cuts them), trains, and rank 0 writes the full weights and metrics."""
+global mini-batch (as AdmissionSource.update cuts them), trains, and rank 0 writes the full weights and metrics."""
 
 from __future__ import annotations
 
@@ -52,10 +52,17 @@ def rank_share(batch, adv, rank: int, world: int, n_mini: int):
     return sub, adv[rows, :sub.response_ids.shape[1]], sizes
 
 
+def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """The gloo group, as a client of the store test_fsdp holds on ``port`` (tests/_ports.py): no rank binds the
+    port, so none can lose it to another process."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_tokens_per_mb: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     try:
         cfg = load_config([*OVERRIDES, f"actor.mb_spec.max_tokens_per_mb={max_tokens_per_mb}"]).actor
         model, batch, adv = setup()
@@ -102,7 +109,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
                 dist.broadcast(t, src=0)
         if engine == "fsdp":
             resumed.shard("float32", lr_scheduler_state=sched[0], optimizer_state_follows=flag[0])
-        else:  # replicas: every rank loads the whole state (as AsyncTrainer's load_actor_state does)
+        else:  # replicas: every rank loads the whole state (as AdmissionSource.on_training_start's load_actor_state does)
             full = _broadcast_state(state if rank == 0 else None)
             if rank != 0:
                 resumed.load_state_dict(full)
@@ -182,8 +189,7 @@ def bf16_steps(actor, batch, adv, sizes=None, between=None) -> dict:
 
 def run_rank_bf16(rank: int, world: int, port: int, out_dir: str, engine: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_group(rank, world, port, 120)
     try:
         cfg = load_config([*BF16_OVERRIDES, "actor.mb_spec.max_tokens_per_mb=60"]).actor
         model, batch, adv = setup_on_policy_bf16()

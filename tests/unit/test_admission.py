@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from stalerl.rollout.admission import StalenessManager
+from stalerl.training.staleness import StalenessManager
 
 
 def simulate(seed, *, batch_size, eta, n_workers, max_concurrent, gen_time, train_time, steps=40,

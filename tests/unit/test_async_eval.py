@@ -71,7 +71,7 @@ class _Sink:
 
 
 def test_merging_logger_holds_rows_until_their_evaluation_and_keeps_step_order():
-    from stalerl.training.async_trainer import EvalMergingLogger
+    from stalerl.training.async_source import EvalMergingLogger
 
     sink = _Sink()
     log = EvalMergingLogger(sink)

@@ -387,8 +387,8 @@ def test_suspicious_settings_warn():
     (["actor.fipo_safety_threshold=0"], "actor.fipo_safety_threshold", "> 0.0"),
     (["actor.fipo_influence_clip_high_only=maybe"], "actor.fipo_influence_clip_high_only", "bool"),
     (["actor.loss=fipo", "actor.fipo_clip_ratio_c=1.2", "actor.eps_clip_higher=0.28"], "actor.fipo_clip_ratio_c",
-     "c > 1 + the upper PPO clip range (1 + 0.28)"),
-    (["actor.loss=fipo", "actor.fipo_clip_ratio_c=1.1"], "actor.fipo_clip_ratio_c", "(1 + 0.2)"),
+     "must be > 1 + eps_high = 1.28"),
+    (["actor.loss=fipo", "actor.fipo_clip_ratio_c=1.1"], "actor.fipo_clip_ratio_c", "must be > 1 + eps_high = 1.2 "),
     (["actor.loss=fipo", "actor.fipo_influence_clip_high_only=false", "actor.fipo_influence_clip_ratio=1.0"],
      "actor.fipo_influence_clip_ratio", "must stay positive"),
 ])

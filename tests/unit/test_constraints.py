@@ -75,8 +75,8 @@ def test_setup_installs_the_default_extras_with_the_constraints_and_the_torch_pi
 
 
 def test_readme_gives_the_prediction_interval_of_one_run_from_the_committed_default_study():
-    from stalerl.results.report import load_summaries
-    from stalerl.results.report_stats import t_quantile_975
+    from stalerl_study.report import load_summaries
+    from stalerl_study.stats import t_quantile_975
 
     runs = [s for s in load_summaries([REPO / "docs" / "algorithms" / "results" / "default"])
             if s["status"] == "finished"]

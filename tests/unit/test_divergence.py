@@ -26,8 +26,8 @@ def _nan_after_two(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
 
 def test_a_nan_loss_ends_the_run_as_diverged_with_its_curves(tmp_path):
     import stalerl.launch.launcher as launcher
-    from stalerl.results.report import group
-    from stalerl.results.report_metrics import CollapseRule, collapsed, run_metric
+    from stalerl_study.report import group
+    from stalerl_study.metrics import CollapseRule, collapsed, run_metric
     from stalerl.training.trainer import TrainingDiverged
 
     CALLS["n"] = 0

@@ -151,7 +151,7 @@ def test_trial_dir_compares_auto_as_the_engine_it_resolves_to(tmp_path, monkeypa
 # ------------------------------------------------------------------------------------------------ (b) vLLM seeds
 def test_vllm_requests_are_seeded_only_when_asked():
     from stalerl.rollout.vllm_engine import generate_kwargs, sample_seeds
-    from stalerl.training.trainer import Trainer
+    from stalerl.training.sources import FixedStalenessSource
 
     gpu = load_config(["--config", str(GPU_CONFIGS[0]), "rollout.backend=vllm:d1"])
     assert generate_kwargs(gpu, [0, 1, 2], 4) == {}
@@ -161,11 +161,14 @@ def test_vllm_requests_are_seeded_only_when_asked():
     # the schema default keeps the seeded behaviour every existing config and the vLLM lane's tests rely on
     assert load_config([]).rollout.vllm.seeded_requests is True
     # the synchronous loop's call into a vLLM engine (an engine with source_model) and into the HF engine
-    vllm_like = types.SimpleNamespace(engine=types.SimpleNamespace(source_model=None), cfg=gpu)
-    assert Trainer._engine_kwargs(vllm_like, 10, 3, 4) == {}
-    vllm_like.cfg = seeded
-    assert Trainer._engine_kwargs(vllm_like, 10, 3, 4) == {"seeds": sample_seeds(seeded.seed, [10, 11, 12], 4)}
-    assert Trainer._engine_kwargs(types.SimpleNamespace(engine=object(), cfg=seeded), 0, 3, 4) == {}
+    vllm_like = types.SimpleNamespace(engine=types.SimpleNamespace(source_model=None), rollout=gpu.rollout,
+                                      seed=gpu.seed)
+    assert FixedStalenessSource._engine_kwargs(vllm_like, 10, 3, 4) == {}
+    vllm_like.rollout, vllm_like.seed = seeded.rollout, seeded.seed
+    assert (FixedStalenessSource._engine_kwargs(vllm_like, 10, 3, 4)
+            == {"seeds": sample_seeds(seeded.seed, [10, 11, 12], 4)})
+    hf_like = types.SimpleNamespace(engine=object(), rollout=seeded.rollout, seed=seeded.seed)
+    assert FixedStalenessSource._engine_kwargs(hf_like, 0, 3, 4) == {}
 
 
 @pytest.mark.parametrize("seeded", [False, True])
@@ -208,7 +211,7 @@ def test_rollout_worker_and_engine_pass_no_seed_unless_asked(tmp_path, monkeypat
 
 # ------------------------------------------------------------------------------------------------ (c) evaluation
 def test_eval_subset_is_fixed_seeded_ordered_and_off_when_it_covers_everything():
-    from stalerl.training.trainer import eval_subset
+    from stalerl.training.sources import eval_subset
 
     examples = list(range(1319))
     a, b = eval_subset(examples, 256), eval_subset(list(examples), 256)
@@ -226,18 +229,18 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_training_evaluates_a_subset_between_full_evaluations_at_both_ends(tmp_path, monkeypatch):
-    import stalerl.training.trainer as trainer_mod
+    import stalerl.training.sources as sources_mod
     from stalerl.results.run_summary import summarize_metrics
     from stalerl.training.trainer import Trainer
 
     seen: list[list[str]] = []
-    real = trainer_mod.evaluate_engine
+    real = sources_mod.evaluate_engine
 
     def recording(engine, examples, gconfig, batch_size):
         seen.append([e.question for e in examples])
         return real(engine, examples, gconfig, batch_size)
 
-    monkeypatch.setattr(trainer_mod, "evaluate_engine", recording)
+    monkeypatch.setattr(sources_mod, "evaluate_engine", recording)
     over = {"total_train_steps": 4, "evaluator.freq_steps": 2, "evaluator.n_prompts": 24,
             "evaluator.n_prompts_during_training": 6, "warm_start.steps": 0, "train_dataset.batch_size": 4,
             "gconfig.n_samples": 2, "stats_logger.mismatch_freq_steps": "null"}
@@ -274,13 +277,14 @@ def test_without_the_key_every_evaluation_is_full_and_named_as_before(tmp_path):
 def test_async_evaluations_send_the_subset_and_name_it(tmp_path):
     """The asynchronous trainer's evaluation plumbing (no workers): what it sends a rollout worker per version, and
     the names it merges the result under."""
-    from stalerl.training.async_trainer import AsyncTrainer, EvalMergingLogger
-    from stalerl.training.trainer import eval_subset
+    from stalerl.training.async_source import AdmissionSource, EvalMergingLogger
+    from stalerl.training.sources import EvalPlan, eval_subset
 
-    t = object.__new__(AsyncTrainer)
-    t.cfg = load_config(small_overrides(tmp_path))
-    t.valid_examples = [types.SimpleNamespace(question=f"q{i}", final=str(i)) for i in range(20)]
-    t.eval_subset, t.total_steps, t.step = eval_subset(t.valid_examples, 5), 6, 6
+    t = object.__new__(AdmissionSource)
+    cfg = load_config(small_overrides(tmp_path))
+    t.eval_gconfig, t.eval_batch_size = cfg.eval_gconfig, cfg.valid_dataset.batch_size
+    examples = [types.SimpleNamespace(question=f"q{i}", final=str(i)) for i in range(20)]
+    t.eval_plan, t.version = EvalPlan(examples, eval_subset(examples, 5), 6), 6
     t.cond, t.failure, t.log = threading.Condition(), None, lambda *a, **k: None
     t.eval_requested, t.eval_sent, t.eval_done, t.outstanding = [], {}, {}, {"rollout/0": 0}
     calls = []
@@ -291,7 +295,7 @@ def test_async_evaluations_send_the_subset_and_name_it(tmp_path):
         t.eval_requested.append(version)
         t._send_evaluations()
     assert [(c[1], len(c[2])) for c in calls] == [(0, 20), (3, 5), (6, 20)]
-    assert [q for q, _ in calls[1][2]] == [e.question for e in t.eval_subset]
+    assert [q for q, _ in calls[1][2]] == [e.question for e in t.eval_plan.subset]
 
     class Inner:
         rows: dict = {}

@@ -364,31 +364,120 @@ def _split_case(seed=21):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_row_splits_with_global_batch_info_give_exactly_the_whole_batch_update(agg):
-    """The weights, the drop and the Future-KL are per row, so splitting a mini-batch by rows into micro-batches
-    (each padded to its own width) and summing with one set of global counts is the one call with those counts."""
+    """The weights and the Future-KL are per row, so splitting a mini-batch by rows into micro-batches (each padded
+    to its own width) and summing with one set of global counts is the one call with those counts, where no row
+    drops (c = 100 > e^4: the case's drop is off). With the drop on, the caller's all-valid counts cannot be exact
+    for a split: the micro-batch holding the dropped row is refused (next test: the plan makes it exact)."""
     old, new, adv, mask = _split_case()
     info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0]}
+    cfg = {"global_batch_info": info, "fipo_clip_ratio_c": 100.0}
     whole_lp = new.clone().requires_grad_(True)
-    whole, m_whole = compute_policy_loss_fipo(old, whole_lp, adv, mask, agg, {"global_batch_info": info})
+    whole, m_whole = compute_policy_loss_fipo(old, whole_lp, adv, mask, agg, cfg)
     whole.backward()
-    assert m_whole["fipo/sequence_drop_ratio"] > 0
+    assert m_whole["fipo/sequence_drop_ratio"] == 0
     for split in ([[0, 1, 2], [3, 4], [5, 6, 7]], [[i] for i in range(8)]):
         lp = new.clone().requires_grad_(True)
         total = 0.0
         for rows in split:
             w = max(1, int(mask[rows].sum(1).max()))
-            loss, _ = compute_policy_loss_fipo(old[rows, :w], lp[rows, :w], adv[rows, :w], mask[rows, :w], agg,
-                                               {"global_batch_info": info})
+            loss, _ = compute_policy_loss_fipo(old[rows, :w], lp[rows, :w], adv[rows, :w], mask[rows, :w], agg, cfg)
             loss.backward()
             total = total + loss.detach()
         torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match="cannot be exact"):
+        compute_policy_loss_fipo(old[:3], new[:3], adv[:3], mask[:3], agg, {"global_batch_info": info})
+
+
+def _one_row_drops():
+    """A batch where one of 8 rows drops (its 25 tokens): the registry FIPO on the whole batch, one call."""
+    old, new, adv, mask = _split_case()
+    ref_loss, _, kept, _ = fipo_loop(old, new, adv, mask)
+    assert kept.count(False) == 1
+    return old, new, adv, mask, ref_loss
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"])
+def test_the_step_as_one_call_with_its_own_counts_is_the_one_call_reference(agg):
+    """Issue 37 item 2: told by verl's convention that the step is exactly this call (dp_size 1, batch_num_tokens =
+    its valid tokens, global_batch_size = its rows), the registry FIPO divides by the tokens (rows) kept after the
+    drop: bit-identical to the call without counts (the reference), not the all-valid count (-0.666 vs -0.869 style:
+    x kept / valid)."""
+    old, new, adv, mask, ref_loss = _one_row_drops()
+    n_valid, n_rows = int(mask.sum()), int(mask.any(-1).sum())  # 7 rows with tokens (row 4 has none)
+    lp_ref = new.clone().requires_grad_(True)
+    reference, m_ref = call(old, lp_ref, adv, mask, agg)
+    reference.backward()
+    for counts in ({"batch_num_tokens": n_valid, "global_batch_size": n_rows},
+                   {"batch_num_tokens": torch.tensor(n_valid), "global_batch_size": torch.tensor(n_rows)}):
+        lp = new.clone().requires_grad_(True)
+        loss, metrics = call(old, lp, adv, mask, agg, global_batch_info={"dp_size": 1, **counts})
+        loss.backward()
+        assert torch.equal(loss.detach(), reference.detach()) and torch.equal(lp.grad, lp_ref.grad)
+        assert metrics == m_ref
+    # a caller that counted the call's kept tokens (rows) itself: exact as given
+    kept = {"batch_num_tokens": n_valid - 25, "global_batch_size": n_rows - 1}
+    loss, _ = call(old, new, adv, mask, agg, global_batch_info={"dp_size": 1, **kept})
+    torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-6, atol=1e-8)
+    # verl counts every row of the step (8, the empty one included, as verl's own losses do): the dropped row
+    # leaves that count too
+    loss, _ = call(old, new, adv, mask, agg, global_batch_info={"dp_size": 1, "batch_num_tokens": n_valid,
+                                                                "global_batch_size": mask.shape[0]})
+    expected = reference if agg == "token-mean" else reference * (n_rows - 1) / (mask.shape[0] - 1)
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-6, atol=1e-8)
+    if agg == "token-mean":
+        assert reference.item() == pytest.approx(ref_loss, rel=1e-5)
+        as_given = ref_loss * (n_valid - 25) / n_valid  # what the all-valid count would have given
+        assert abs(reference.item() - as_given) > 0.05 * abs(ref_loss)
+
+
+@pytest.mark.parametrize("agg, key, count", [
+    ("token-mean", "batch_num_tokens", 1000), ("token-mean", "batch_num_tokens", 5),
+    ("seq-mean-token-mean", "global_batch_size", 16), ("seq-mean-token-sum", "global_batch_size", 16)])
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_count_it_cannot_be_exact_with_is_refused_where_a_row_drops(agg, key, count, dp_size):
+    """Another count (a larger step, another rank's share) with a dropped row: one line, naming the planner."""
+    old, new, adv, mask, _ = _one_row_drops()
+    info = {"dp_size": dp_size, "batch_num_tokens": int(mask.sum()), "global_batch_size": mask.shape[0], key: count}
+    with pytest.raises(ValueError) as info_:
+        call(old, new, adv, mask, agg, global_batch_info=info)
+    message = str(info_.value)
+    assert "\n" not in message and f"{key}={count}" in message and "cannot be exact" in message
+    assert "recipe.optimizer_batch.plan_optimizer_batch" in message and "row_keep_mask" in message
+    # the same call's own count on two ranks is a share of a larger step: refused too
+    if dp_size == 2:
+        with pytest.raises(ValueError, match="cannot be exact"):
+            call(old, new, adv, mask, "token-mean", global_batch_info={"dp_size": 2, "batch_num_tokens":
+                                                                       int(mask.sum())})
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "token-sum"])
+def test_without_a_dropped_row_any_count_is_exact_as_given(agg):
+    """No row drops: the count is the step's, whatever it is (dp ranks, a larger step), as for every loss; token-sum
+    divides by nothing, so a drop cannot make it inexact."""
+    old, new, adv, mask = _split_case()
+    keep = [0, 1, 3, 4, 5, 6, 7]  # row 2 is the dropping row
+    old, new, adv, mask = old[keep], new[keep], adv[keep], mask[keep]
+    own, _ = call(old, new, adv, mask, agg)
+    info = {"dp_size": 2, "batch_num_tokens": 4 * int(mask.sum()), "global_batch_size": 4 * mask.shape[0]}
+    loss, m = call(old, new, adv, mask, agg, global_batch_info=info)
+    assert m["fipo/sequence_drop_ratio"] == 0
+    # x dp_size / the count; the call's own seq count is its rows with a valid token (row 4 has none)
+    factor = {"token-mean": 2 / 4, "seq-mean-token-mean": 2 * int(mask.any(-1).sum()) / (4 * mask.shape[0]),
+              "token-sum": 2.0}[agg]
+    torch.testing.assert_close(loss, own * factor, rtol=1e-6, atol=1e-7)
+    if agg == "token-sum":  # and with a drop, token-sum (no count) stays as given
+        old2, new2, adv2, mask2, _ = _one_row_drops()
+        a, _ = call(old2, new2, adv2, mask2, agg)
+        b, _ = call(old2, new2, adv2, mask2, agg, global_batch_info={"dp_size": 2, "batch_num_tokens": 999})
+        torch.testing.assert_close(b, 2 * a)
 
 
 def test_planned_row_splits_are_the_reference_objective_where_a_row_drops():
     """The step's objective: the dropped row (25 tokens) leaves the numerator and the denominator of the whole step.
-    A count of every valid token (the caller's own, without the plan) is the reference only without drops: here it
-    is the reference x kept / valid; the plan's count and row_keep_mask give the reference for every split."""
+    A count of every valid token is exact on the one call (the step is that call); the plan's count and
+    row_keep_mask give the reference for every split."""
     from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch
 
     old, new, adv, mask = _split_case()
@@ -399,8 +488,9 @@ def test_planned_row_splits_are_the_reference_objective_where_a_row_drops():
     whole.backward()
     assert whole.item() == pytest.approx(ref_loss, rel=1e-5)
     n_valid = int(mask.sum())
+    # the caller's all-valid count on the one call (the step is this call): the reference, not x kept / valid
     all_valid, _ = call(old, new, adv, mask, global_batch_info={"dp_size": 1, "batch_num_tokens": n_valid})
-    assert all_valid.item() == pytest.approx(ref_loss * (n_valid - 25) / n_valid, rel=1e-5)
+    assert all_valid.item() == pytest.approx(ref_loss, rel=1e-5)
     for split in ([[0, 1, 2], [3, 4], [5, 6, 7]], [[i] for i in range(8)], [[2], [0, 1, 3, 4, 5, 6, 7]]):
         widths = [max(1, int(mask[rows].sum(1).max())) for rows in split]
         lp = new.clone().requires_grad_(True)

@@ -4,9 +4,7 @@ the gathered full state, and the gloo collectives FSDP2 relies on."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import sys
 
 import pytest
@@ -19,18 +17,15 @@ from stalerl.training import fsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsdp_dist_worker  # noqa: E402
+from _ports import held_store  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(engine: str, out_dir, max_tokens_per_mb: int) -> dict:
-    mp.spawn(fsdp_dist_worker.run_rank, args=(2, _port(), str(out_dir), engine, max_tokens_per_mb), nprocs=2, join=True)
+    store = held_store()  # held until both ranks are done (tests/_ports.py)
+    mp.spawn(fsdp_dist_worker.run_rank, args=(2, store.port, str(out_dir), engine, max_tokens_per_mb), nprocs=2,
+             join=True)
     return torch.load(out_dir / f"{engine}.pt", weights_only=False)
 
 
@@ -75,8 +70,7 @@ def test_fsdp_d2_and_torch_d2_give_the_torch_d1_update_and_resume(tmp_path, max_
 
 
 def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    fsdp_dist_worker.join_group(rank, world, port, 60)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.arange(4, dtype=dtype) + rank
@@ -98,7 +92,8 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_gloo_has_the_collectives_fsdp2_needs_and_buckets_average(tmp_path):
-    mp.spawn(_gloo_rank, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    store = held_store()
+    mp.spawn(_gloo_rank, args=(2, store.port, str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"gloo{rank}.pt")
         for dtype in ("torch.float32", "torch.bfloat16"):
@@ -112,7 +107,8 @@ def test_gloo_has_the_collectives_fsdp2_needs_and_buckets_average(tmp_path):
 
 # ------------------------------------------------------------------------------------ bf16 (actor.dtype=bfloat16)
 def _spawn_bf16(engine: str, out_dir, rows: int) -> dict:
-    mp.spawn(fsdp_dist_worker.run_rank_bf16, args=(2, _port(), str(out_dir), engine), nprocs=2, join=True)
+    store = held_store()
+    mp.spawn(fsdp_dist_worker.run_rank_bf16, args=(2, store.port, str(out_dir), engine), nprocs=2, join=True)
     parts = [torch.load(out_dir / f"bf16-{engine}-{r}.pt", weights_only=False) for r in (0, 1)]
     logp = torch.zeros((rows, max(p["logp"].shape[1] for p in parts)), dtype=torch.float32)
     for p in parts:  # each rank's on-policy log-probs of its own rows

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 
-from recipe.hf_step import StepMetrics, StepWindow, add_fipo_micro_batch, check_sharding_backend, step_micro_batches
+from recipe.hf_step import StepMetrics, StepWindow, check_sharding_backend, step_micro_batches
 
 
 def test_window_reads_the_step_from_the_buffer_once_and_checks_every_micro_batch() -> None:
@@ -40,33 +39,43 @@ def test_a_step_that_spans_a_generation_or_a_moved_buffer_fails_in_one_line() ->
                                         num_iterations=1, make_plan=lambda b: 0)
 
 
-def test_metrics_sum_counts_divide_summed_numerators_and_take_extrema() -> None:
+def test_metrics_reduce_by_the_declared_rules_and_add_the_plans_step_values() -> None:
+    from types import SimpleNamespace
+
+    from recipe.declaration import MAX, MEAN, SUM, mean_over
+
+    rules = {"x/mean": MEAN, "x/count": SUM, "x/max": MAX, "x/per_kept": mean_over("x/kept"), "x/kept": SUM}
     gen = torch.Generator().manual_seed(0)
     acc = StepMetrics()
     parts = []
-    for _ in range(5):
-        num, den = torch.randint(0, 10, (2,), generator=gen).tolist()
-        val = torch.randn(2, generator=gen).tolist()
-        parts.append((num, den + 1, val))
-        acc.add_sum("x/count", num)
-        acc.add_ratio("x/fraction", num, den + 1)
-        acc.add_max("x/max", val[0])
-        acc.add_min("x/min", val[1])
-        acc.add_constant("x/constant", val[0])
-    out = acc.reduce()
+    for _ in range(4):
+        mask = torch.rand(3, 5, generator=gen) > 0.3
+        vals = torch.rand(4, generator=gen).tolist()
+        kept = float(torch.randint(1, 9, (1,), generator=gen))
+        metrics = {"x/mean": vals[0], "x/count": vals[1], "x/max": vals[2], "x/per_kept": vals[3], "x/kept": kept}
+        parts.append((float(mask.sum()), metrics))
+        acc.add(mask, metrics)
+    selection = SimpleNamespace(metrics=lambda: {"x/step_wide": 7.0})
+    acc.add_plan(SimpleNamespace(selection=selection, row_drops=None))
+    acc.add_constant("x/flag", 1.0)
+    out = acc.reduce(rules)
     # the literal definitions
-    assert out["x/count"] == sum(p[0] for p in parts)
-    assert out["x/fraction"] == sum(p[0] for p in parts) / sum(p[1] for p in parts)
-    assert out["x/max"] == max(p[2][0] for p in parts)
-    assert out["x/min"] == min(p[2][1] for p in parts)
-    assert out["x/constant"] == parts[0][2][0]
-    # a mean of per-micro-batch fractions would differ here (the test can fail)
-    assert not math.isclose(out["x/fraction"], sum(p[0] / p[1] for p in parts) / len(parts))
-    assert acc.reduce() == {}  # cleared for the next step
+    assert math.isclose(out["x/mean"], sum(n * m["x/mean"] for n, m in parts) / sum(n for n, _ in parts))
+    assert math.isclose(out["x/count"], sum(m["x/count"] for _, m in parts))
+    assert out["x/max"] == max(m["x/max"] for _, m in parts)
+    assert math.isclose(out["x/per_kept"], sum(m["x/kept"] * m["x/per_kept"] for _, m in parts)
+                        / sum(m["x/kept"] for _, m in parts))
+    assert out["x/step_wide"] == 7.0 and out["x/flag"] == 1.0
+    assert acc.reduce(rules) == {}  # cleared for the next step
 
 
 def test_fipo_metrics_of_a_split_step_equal_those_of_the_step_in_one_call() -> None:
-    """The step's fipo/* figures do not depend on how its rows are split into micro-batches."""
+    """The loss's own fipo/* metrics of a step split into micro-batches, reduced by FIPO's declared rules (plus the
+    plan's counts), equal the loss's metrics of the step in one call: whatever the split."""
+    from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch
+    from recipe.registry import get_policy_loss_spec
+
+    spec = get_policy_loss_spec("fipo")
     gen = torch.Generator().manual_seed(1)
     rows, width = 8, 12
     old = -torch.rand(rows, width, generator=gen) * 3
@@ -74,46 +83,49 @@ def test_fipo_metrics_of_a_split_step_equal_those_of_the_step_in_one_call() -> N
     adv = torch.randn(rows, 1, generator=gen).expand(rows, width).contiguous()
     mask = torch.rand(rows, width, generator=gen) > 0.2
     config = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}
-    whole = StepMetrics()
-    add_fipo_micro_batch(whole, old, new, adv, mask, config)
-    whole = whole.reduce()
-    split = StepMetrics()
-    for part in torch.arange(rows).split(3):
-        add_fipo_micro_batch(split, old[part], new[part], adv[part], mask[part], config)
-    split = split.reduce()
-    assert whole.keys() == split.keys()
+    _, whole = spec.fn(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, config=config)
+    parts = [torch.arange(rows)[i:i + 3] for i in range(0, rows, 3)]
+    plan = plan_optimizer_batch("fipo", [MicroBatch(old[r], new[r], adv[r], mask[r]) for r in parts], config)
+    acc = StepMetrics()
+    acc.add_plan(plan)
+    for r, extras in zip(parts, plan.extras):
+        _, metrics = spec.fn(old_log_prob=old[r], log_prob=new[r], advantages=adv[r], response_mask=mask[r],
+                             config=plan.config_for(config), **extras)
+        acc.add(mask[r], metrics)
+    split = acc.reduce(spec.declaration.metrics)
+    assert set(whole) <= set(split)
     for key in whole:
         assert math.isclose(whole[key], split[key], rel_tol=1e-6, abs_tol=1e-9), key
-    assert whole["fipo/clip_fraction"] > 0 and whole["fipo/num_valid_tokens"] == int(mask.sum())
-    assert whole["fipo/num_dropped_sequences"] > 0, "the data must make FIPO drop a row"
+    assert whole["fipo/clip_fraction"] > 0 and split["fipo/num_valid_tokens"] == int(mask.sum())
+    assert split["fipo/num_dropped_sequences"] > 0, "the data must make FIPO drop a row"
 
 
 def _rank(rank: int, port: int, out: dict) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from recipe.declaration import MAX, SUM
+
+    # a client of the store the test holds (tests/_ports.py): no rank binds the port
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank, world_size=2)
     acc = StepMetrics()
-    acc.add_sum("c", rank + 1)
-    acc.add_ratio("f", rank + 1, 10 * (rank + 1))
-    acc.add_max("hi", -rank)
-    acc.add_min("lo", rank)
-    out[rank] = acc.reduce(dist.group.WORLD)
+    acc.add(torch.ones(1, rank + 1, dtype=torch.bool), {"c": rank + 1, "f": 10 * (rank + 1), "hi": -rank})
+    out[rank] = acc.reduce({"c": SUM, "hi": MAX}, dist.group.WORLD)
     dist.destroy_process_group()
 
 
 def test_metrics_are_reduced_over_ranks() -> None:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from _ports import held_store
+
+    store = held_store()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(port, out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(store.port, out), nprocs=2, join=True)
         results = dict(out)
-    for rank in (0, 1):
-        assert results[rank] == {"c": 3.0, "f": 3 / 30, "hi": 0.0, "lo": 0.0}
+    for rank in (0, 1):  # f: the valid-token-weighted mean (1 token x 10, 2 tokens x 20)
+        assert results[rank] == {"c": 3.0, "f": 50 / 3, "hi": 0.0}
 
 
 @pytest.mark.parametrize(("deepspeed", "fsdp", "backend"), [(True, False, "DeepSpeed"), (False, True, "FSDP"),

@@ -1,5 +1,5 @@
-"""The import graph of every ``stalerl`` and ``recipe`` module: no cycle, and the rooms of the layout import each
-other only downwards.
+"""The import graph of every ``stalerl``, ``recipe`` and ``stalerl_study`` module: no cycle, and the rooms of the
+layout import each other only downwards.
 
 The graph is built from the source (AST), without importing anything. An edge ``A -> B`` is an import in ``A`` of the
 project module ``B``. Module-level edges are the statements in the module body, including those nested in ``if``/
@@ -11,7 +11,11 @@ partly initialised package); likewise a package's lazy imports of its own submod
 ``recipe.verl.register``) are not counted as edges back into the package.
 
 Both graphs must be acyclic. The rooms (``stalerl.<group>``, see ``stalerl/__init__.py``) may import only the rooms
-listed in :data:`ALLOWED`, lazily or not; ``recipe`` never imports ``stalerl``.
+listed in :data:`ALLOWED`, lazily or not; ``recipe`` never imports ``stalerl``. The study tooling (``stalerl_study``:
+``stalerl-study``, ``stalerl-report``, claims, statistics, the pilot) sits above the runtime: it may import
+``stalerl``, and neither ``stalerl`` nor ``recipe`` imports it, not even by a module name in a string
+(``importlib.import_module``, ``python -m``). The framework adapters (``recipe.verl``, ``recipe.trl``, ...) are to reach
+the losses through the registry and the loss declarations, never a loss's ``algorithm`` module (issue 37 item 1).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import ast
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("stalerl", "recipe")
+ROOTS = ("stalerl", "recipe", "stalerl_study")
+RUNTIME_ROOTS = ("stalerl", "recipe")  # what is installed and run; never imports the study tooling
 
 
 def _module_name(path: Path) -> str:
@@ -125,20 +132,23 @@ ALLOWED = {
     "stalerl.config": {"stalerl.core", "recipe"},
     "stalerl.data": {"stalerl.core"},
     "stalerl.rollout": {"stalerl.core", "recipe"},  # recipe.versions: the vLLM version guard
-    "stalerl.results": {"stalerl.core", "stalerl.config"},
+    "stalerl.results": {"stalerl.core", "stalerl.config", "recipe"},  # recipe.registry: the losses' diagnostics
     "stalerl.schedulers": {"stalerl.core", "stalerl.config"},
     "stalerl.training": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
                          "recipe"},
     "stalerl.launch": {"stalerl.core", "stalerl.config", "stalerl.data", "stalerl.rollout", "stalerl.results",
                        "stalerl.schedulers", "stalerl.training", "recipe"},
     "stalerl": {"stalerl.launch"},  # `stalerl.cli` forwards to stalerl.launch.cli
+    # the study tooling, above the runtime: reads summaries (results), loads configs, starts runs (launch.cli) and
+    # warm starts (training.trainer); stalerl.schedulers and recipe only through those
+    "stalerl_study": {"stalerl.core", "stalerl.config", "stalerl.results", "stalerl.training", "stalerl.launch"},
 }
 
 
 def room(module: str) -> str:
     parts = module.split(".")
-    if parts[0] == "recipe":
-        return "recipe"
+    if parts[0] in ("recipe", "stalerl_study"):
+        return parts[0]
     sub = f"stalerl.{parts[1]}" if len(parts) > 1 else "stalerl"
     return sub if sub in ALLOWED else "stalerl"  # a top-level module (`stalerl.cli`)
 
@@ -189,12 +199,12 @@ def test_rooms_import_only_downwards():
 
 
 def test_room_check_catches_an_upward_import():
-    graph = {"stalerl.results.report": {"stalerl.training.trainer"}, "stalerl.training.trainer": set(),
+    graph = {"stalerl.results.sweep": {"stalerl.training.trainer"}, "stalerl.training.trainer": set(),
              "recipe.verl.plugin": {"stalerl.core.model"}, "stalerl.core.model": set()}
     bad = room_violations(graph)
     assert len(bad) == 2
     assert bad[0].startswith("recipe.verl.plugin -> stalerl.core.model (recipe may import only nothing")
-    assert bad[1].startswith("stalerl.results.report -> stalerl.training.trainer (stalerl.results may import only")
+    assert bad[1].startswith("stalerl.results.sweep -> stalerl.training.trainer (stalerl.results may import only")
 
 
 def test_removed_circles_stay_removed_also_for_lazy_imports():
@@ -231,3 +241,66 @@ def test_cycle_finder_reports_the_cycle():
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"a", "b", "c"}
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def _is_runtime(module: str) -> bool:
+    return module.split(".")[0] in RUNTIME_ROOTS
+
+
+def _study_module_strings(path: Path) -> List[str]:
+    """String constants in ``path`` that name a ``stalerl_study`` module (an ``importlib.import_module`` or
+    ``python -m`` target: an import the AST graph cannot see)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and (n.value == "stalerl_study" or n.value.startswith("stalerl_study."))})
+
+
+def test_the_runtime_never_imports_the_study_tooling():
+    """(issue 37 item 6) ``stalerl`` and ``recipe`` run without ``stalerl_study``: no import of it, lazy or not, and
+    no module name of it in a string."""
+    modules = project_modules()
+    assert any(m.startswith("stalerl_study.") for m in modules), "the graph does not cover stalerl_study"
+    graph = import_edges(modules, include_lazy=True)
+    assert "stalerl.results.run_summary" in graph["stalerl_study.cli"]  # the study side's edges are seen
+    assert "stalerl_study.stats" in graph["stalerl_study.report"]
+    bad = [f"{mod} -> {dep}" for mod, deps in sorted(graph.items()) if _is_runtime(mod)
+           for dep in sorted(deps) if room(dep) == "stalerl_study"]
+    bad += [f"{mod} names {names}" for mod, path in sorted(modules.items()) if _is_runtime(mod)
+            for names in [_study_module_strings(path)] if names]
+    assert not bad, ("the runtime imports the study tooling (move what it needs into stalerl, or let stalerl_study "
+                     "call it):\n" + "\n".join(bad))
+
+
+def test_the_runtime_check_catches_an_import_of_the_study_tooling():
+    graph = {"stalerl.results.sweep": {"stalerl_study.report"}, "stalerl_study.report": {"stalerl.core.io"},
+             "stalerl.core.io": set()}
+    assert room_violations(graph) == ["stalerl.results.sweep -> stalerl_study.report (stalerl.results may import "
+                                      "only ['recipe', 'stalerl.config', 'stalerl.core'])"]
+
+
+#: The framework adapters (each package and its submodules) and the losses whose ``algorithm`` module they must not
+#: import: they reach a loss through ``recipe.registry`` and its declaration.
+ADAPTERS = ("recipe.verl", "recipe.trl", "recipe.swift", "recipe.areal", "recipe.trinity")
+LOSS_PACKAGES = ("m2po", "fipo", "baselines", "m2po_authors")
+
+
+def adapter_algorithm_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    """``adapter module -> recipe.<loss>.algorithm`` for every such edge in ``graph``."""
+    algorithms = {f"recipe.{loss}.algorithm" for loss in LOSS_PACKAGES}
+    return [f"{mod} -> {dep}" for mod, deps in sorted(graph.items())
+            if any(mod == a or mod.startswith(a + ".") for a in ADAPTERS) for dep in sorted(deps & algorithms)]
+
+
+def test_adapters_never_import_a_loss_algorithm_module():
+    modules = project_modules()
+    assert {f"recipe.{loss}.algorithm" for loss in LOSS_PACKAGES} <= set(modules)
+    bad = adapter_algorithm_imports(import_edges(modules, include_lazy=True))
+    assert not bad, ("framework adapters import a loss's algorithm module (lazy imports included); they should go "
+                     "through recipe.registry and the loss declarations:\n" + "\n".join(bad))
+
+
+def test_the_adapter_check_catches_an_algorithm_import():
+    graph = {"recipe.verl.losses": {"recipe.m2po.algorithm", "recipe.registry"},
+             "recipe.verlx": {"recipe.m2po.algorithm"},  # not an adapter: recipe.verl's name is only its prefix
+             "recipe.m2po": {"recipe.m2po.algorithm"}, "recipe.m2po.algorithm": set(), "recipe.registry": set()}
+    assert adapter_algorithm_imports(graph) == ["recipe.verl.losses -> recipe.m2po.algorithm"]

@@ -96,7 +96,7 @@ def test_probe_is_off_with_recompute_and_when_null(tmp_path):
     for over in ({"actor.behavior_logp": "recompute"}, {"stats_logger.mismatch_freq_steps": "null"}):
         cfg = load_config(small_overrides(tmp_path, **over))
         t = Trainer(cfg, log=lambda *a, **k: None)
-        assert not t._mismatch_due()
+        assert not t.probe.due(t.step)
     t = Trainer(load_config(small_overrides(tmp_path, **{"stats_logger.mismatch_freq_steps": 3})),
                 log=lambda *a, **k: None)
-    assert [t._mismatch_due() for t.step in range(7)] == [True, False, False, True, False, False, True]
+    assert [t.probe.due(step) for step in range(7)] == [True, False, False, True, False, False, True]

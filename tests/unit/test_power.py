@@ -17,11 +17,11 @@ import pytest
 import yaml
 
 from conftest import REPO
-from stalerl.launch.study import StudyError, _grid, check_power, check_settings, expand, load_spec, main
-from stalerl.results.report_prereg import parse_claims, power_report
-from stalerl.results.report_stats import (equivalence_margin_needed, minimum_detectable_effect, paired_test,
-                                          power_equivalence, power_one_sided, sign_flip_equivalence_p, sign_flip_p,
-                                          t_quantile)
+from stalerl_study.cli import StudyError, _grid, check_power, check_settings, expand, load_spec, main
+from stalerl_study.prereg import parse_claims, power_report
+from stalerl_study.stats import (equivalence_margin_needed, minimum_detectable_effect, paired_test,
+                                 power_equivalence, power_one_sided, sign_flip_equivalence_p, sign_flip_p,
+                                 t_quantile)
 
 STUDY = REPO / "examples" / "math" / "study"
 
@@ -202,7 +202,7 @@ def _summary(loss, setting, seed, level, quadrants=None):
 
 
 def test_report_shows_the_sign_flip_column_noninferiority_and_quadrants_only_when_logged():
-    from stalerl.results.report import group, render_markdown
+    from stalerl_study.report import group, render_markdown
 
     claims = {"baseline": "vanilla @ fixed_staleness 0", "list": [
         {"id": "ni", "text": "m2po not worse", "test": "noninferior", "margin": 0.05, "metric": "auc",

@@ -17,7 +17,7 @@ from conftest import CPU_CONFIG, small_overrides
 from stalerl.config import load_config
 from stalerl.core.launch_env import LAUNCH_TIME_ENV
 from stalerl.results import run_summary
-from stalerl.results.report import load_summaries
+from stalerl_study.report import load_summaries
 from stalerl.results.run_summary import (_config_dict, build_summary, code_state, digest, library_versions,
                                          stable_config, stable_digest, write_summary)
 
@@ -200,7 +200,7 @@ def _code(monkeypatch, commit, dirty=False, dirty_digest=None):
 
 
 def _study(tmp_path, monkeypatch, results):
-    from stalerl.launch import study
+    from stalerl_study import cli as study
 
     spec_file = _spec(tmp_path, results)
     spec = study.load_spec(spec_file)
@@ -262,7 +262,7 @@ def test_a_summary_without_a_commit_or_from_other_changes_is_not_reused(tmp_path
 
 
 def test_a_summary_from_before_provenance_or_of_another_config_is_not_reused(tmp_path, monkeypatch):
-    from stalerl.launch.study import collected_summary, reuse_refusal
+    from stalerl_study.cli import collected_summary, reuse_refusal
 
     results = tmp_path / "results"
     cfgs, run = _study(tmp_path, monkeypatch, results)

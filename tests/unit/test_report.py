@@ -1,4 +1,5 @@
-"""stalerl.results.report / report_stats / run_summary / study: the multi-seed study pipeline on synthetic run directories."""
+"""stalerl_study.report, .stats and .cli over stalerl.results.run_summary: the multi-seed study pipeline on synthetic
+run directories."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 from conftest import CPU_CONFIG, REPO, small_overrides
 from stalerl.config import load_config
-from stalerl.results.report import build, group, load_summaries, main as report_main, replace_block
-from stalerl.results.report_stats import format_estimate, mean_interval, t_quantile_975
+from stalerl_study.report import build, group, load_summaries, main as report_main, replace_block
+from stalerl_study.stats import format_estimate, mean_interval, t_quantile_975
 from stalerl.results.run_summary import build_summary, downsample, setting_of, summarize_metrics, write_summary
 
 
@@ -242,7 +243,7 @@ def test_failed_run_still_writes_a_failed_summary(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ study specs
 def test_study_specs_expand_and_validate(tmp_path):
-    from stalerl.launch.study import StudyError, check_settings, expand, load_spec
+    from stalerl_study.cli import StudyError, check_settings, expand, load_spec
 
     spec = load_spec(REPO / "examples" / "math" / "study" / "staleness.yaml")
     runs = expand(spec)
@@ -261,7 +262,7 @@ def test_study_specs_expand_and_validate(tmp_path):
     with pytest.raises(StudyError, match="unknown key\\(s\\) seedz"):
         load_spec(bad)
     spec = load_spec(REPO / "examples" / "math" / "study" / "chain_pilot.yaml")
-    from stalerl.launch.study import _method_labels
+    from stalerl_study.cli import _method_labels
 
     assert _method_labels(spec)[:2] == ["loss=vanilla, lr=0.0001, gradient_clipping=1.0",
                                         "loss=vanilla, lr=5e-05, gradient_clipping=1.0"]
@@ -292,7 +293,7 @@ def test_study_runner_on_a_tiny_grid(tmp_path):
     from stalerl.launch.launcher import launch
     from stalerl.results.metrics_log import read_metrics
     from stalerl.config import run_dir
-    from stalerl.launch.study import load_spec, run_study
+    from stalerl_study.cli import load_spec, run_study
 
     ovr = small_overrides(tmp_path, total_train_steps=4)
     spec_file = tmp_path / "tiny.yaml"
@@ -339,8 +340,8 @@ def test_a_study_in_a_fresh_checkout_skips_runs_whose_collected_summary_has_thei
     """Run directories are machine-local; the collected summaries are committed. A study resumed where its run
     directories are gone re-runs only what no collected summary of the very same config and code holds (finished or
     diverged), keeps the others as they were, and --force re-runs everything."""
-    from stalerl.launch import study
-    from stalerl.launch.study import collected_summary, expand, load_spec, run_study
+    from stalerl_study import cli as study
+    from stalerl_study.cli import collected_summary, expand, load_spec, run_study
 
     results = tmp_path / "results"
     spec_file = tmp_path / "s.yaml"
@@ -383,7 +384,7 @@ def test_sigterm_passes_to_the_runs_in_flight_and_starts_no_other(tmp_path):
     import time
 
     from stalerl.core.interrupt import StopRequests, polled
-    from stalerl.launch.study import _pool
+    from stalerl_study.cli import _pool
 
     child = ("import signal, sys, time, pathlib; p = pathlib.Path(sys.argv[1]); "
              "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('stopped'), sys.exit(143))); "
@@ -407,8 +408,8 @@ def test_an_interrupted_study_collects_the_finished_runs_and_resumes_the_rest(tm
     import signal
 
     from stalerl.config import run_dir
-    from stalerl.launch import study
-    from stalerl.launch.study import expand, load_spec, run_study
+    from stalerl_study import cli as study
+    from stalerl_study.cli import expand, load_spec, run_study
 
     results, doc = tmp_path / "results", tmp_path / "m2po.md"
     doc.write_text("<!-- results:begin stop -->\n<!-- results:end stop -->\n")
@@ -457,8 +458,8 @@ def test_a_resumed_study_refuses_other_kernels_and_warm_starts_only_seeds_with_r
     """Collected runs that used AVX512 kernels (the same config trains differently there) cannot be joined by runs
     on AVX2 kernels: refused in one line naming ATEN_CPU_CAPABILITY, before any warm start. With matching kernels
     only the seeds that still have a run get a warm start."""
-    from stalerl.launch import study
-    from stalerl.launch.study import StudyError, expand, load_spec, run_kernels, run_study
+    from stalerl_study import cli as study
+    from stalerl_study.cli import StudyError, expand, load_spec, run_kernels, run_study
     from stalerl.results.run_summary import machine_description
 
     assert run_kernels({"cpu_isa": ["avx2", "avx512f"], "aten_cpu_capability": "default", "torch": "t"}) == \
@@ -501,8 +502,8 @@ def test_a_cut_invocation_keeps_the_summaries_of_the_spec_runs_it_did_not_run(tm
     spec no longer lists are set aside)."""
     import argparse
 
-    from stalerl.launch import study
-    from stalerl.launch.study import apply_cli, load_spec, run_study
+    from stalerl_study import cli as study
+    from stalerl_study.cli import apply_cli, load_spec, run_study
 
     results = tmp_path / "results"
     spec_file = tmp_path / "s.yaml"
@@ -528,7 +529,7 @@ def test_a_cut_invocation_records_the_whole_grid_and_adds_its_time_to_the_earlie
     """A grid run in parts (--settings / --seeds cuts, e.g. across sessions): study.json (read by the report) still
     describes the registered grid (seeds, settings, methods, on-policy row), its wall time is the sum of the parts,
     each part is listed with the command typed, and the block's Reproduce command is the whole table's (no cut)."""
-    from stalerl.launch import study
+    from stalerl_study import cli as study
 
     results = tmp_path / "results"
     spec_file = tmp_path / "s.yaml"
@@ -577,7 +578,7 @@ def test_a_cut_invocation_records_the_whole_grid_and_adds_its_time_to_the_earlie
 
 
 def test_summaries_of_runs_a_spec_no_longer_lists_are_moved_aside_never_lost(tmp_path):
-    from stalerl.launch.study import set_aside_other_summaries
+    from stalerl_study.cli import set_aside_other_summaries
 
     res = tmp_path / "results"
     res.mkdir()
@@ -613,7 +614,7 @@ def _fake(loss: str, setting: str, seed: int, final: float, best: float, frac: f
 
 
 def test_staleness_claims_verdicts():
-    from stalerl.results.report_claims import render_claims
+    from stalerl_study.claims import render_claims
 
     rows = []
     for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
@@ -646,7 +647,7 @@ def test_staleness_claims_verdicts():
 
 
 def test_async_claims_verdicts():
-    from stalerl.results.report_claims import render_claims
+    from stalerl_study.claims import render_claims
 
     rows = []
     for seed, eps in ((1, -0.01), (2, 0.0), (3, 0.01)):
@@ -670,7 +671,7 @@ def test_async_claims_verdicts():
 
 
 def test_a_shared_warm_start_is_listed_once():
-    from stalerl.results.report import render_markdown
+    from stalerl_study.report import render_markdown
 
     def run(loss, setting, seed, acc):
         return dict(_fake(loss, setting, seed, 0.5, 0.5), warm_start={
@@ -690,7 +691,7 @@ def test_a_shared_warm_start_is_listed_once():
 def test_claims_are_paired_by_seed():
     """Seed-to-seed spread that both sides share does not hide a consistent per-seed difference, and only seeds
     present on both sides are paired."""
-    from stalerl.results.report_claims import paired_difference, render_claims
+    from stalerl_study.claims import paired_difference, render_claims
 
     rows = []
     for seed, base in ((1, 0.2), (2, 0.5), (3, 0.8), (4, 0.35)):  # the warm start's spread: unpaired intervals overlap
@@ -717,7 +718,7 @@ def test_claims_are_paired_by_seed():
                          ids=lambda p: p.stem)
 def test_every_shipped_study_spec_validates(spec_path):
     """Every run of every shipped spec loads (a loss added to `losses` that does not exist fails here)."""
-    from stalerl.launch.study import check_settings, expand, load_spec
+    from stalerl_study.cli import check_settings, expand, load_spec
 
     spec = load_spec(spec_path)
     assert spec["results"] == f"docs/algorithms/results/{spec['name']}"
@@ -743,7 +744,7 @@ def test_readme_quotes_the_committed_default_study():
 
 
 def test_a_loss_has_one_colour_in_every_figure():
-    from stalerl.results.report import method_colors
+    from stalerl_study.report import method_colors
 
     async_colors = method_colors(["vanilla", "m2po", "fipo"])
     staleness_colors = method_colors(["m2po", "vanilla", "no_trust_region", "fipo"])
@@ -756,7 +757,7 @@ def test_a_loss_has_one_colour_in_every_figure():
 def test_stalerl_study_compare_finds_a_re_run_identical_or_names_what_differs(tmp_path, capsys):
     """The reuse check: outcome fields of the old summary must all be equal in the renamed re-run (provenance and
     fields the re-run adds do not count); one changed value makes it differ (exit 1)."""
-    from stalerl.launch.study import main as study_main
+    from stalerl_study.cli import main as study_main
 
     old, new = tmp_path / "old", tmp_path / "new"
     old.mkdir(), new.mkdir()
@@ -788,7 +789,7 @@ def test_the_masked_vs_clipped_table_appears_only_for_runs_that_recorded_it():
     import copy
     import json
 
-    from stalerl.results.report import group, render_markdown
+    from stalerl_study.report import group, render_markdown
 
     committed = json.loads((REPO / "docs" / "algorithms" / "results" / "smollm2_add" /
                             "m2po-fixed_staleness_4-seed1.json").read_text())

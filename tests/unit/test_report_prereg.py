@@ -1,4 +1,4 @@
-"""Pre-registered claims (stalerl.results.report_prereg) and the tests behind them (stalerl.results.report_stats): each fast function
+"""Pre-registered claims (stalerl_study.prereg) and the tests behind them (stalerl_study.stats): each fast function
 against a literal reference, and simulated null studies whose false "holds" rate must stay at or below alpha."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from stalerl.results.report import group, render_markdown
-from stalerl.results.report_metrics import CollapseRule, auc, collapsed, eval_curve, run_metric
-from stalerl.results.report_prereg import ClaimSpecError, evaluate, parse_claims
-from stalerl.results.report_stats import (fisher_greater, holm_adjust, paired_test, regularized_beta, t_quantile,
-                                  t_quantile_975, t_sf)
+from stalerl_study.report import group, render_markdown
+from stalerl_study.metrics import CollapseRule, auc, collapsed, eval_curve, run_metric
+from stalerl_study.prereg import ClaimSpecError, evaluate, parse_claims
+from stalerl_study.stats import (fisher_greater, holm_adjust, paired_test, regularized_beta, t_quantile,
+                                 t_quantile_975, t_sf)
 
 
 # ------------------------------------------------------------------------------------------------ literal references
@@ -328,7 +328,7 @@ def test_committed_schema_1_summaries_load_into_the_new_report():
     import yaml
 
     from conftest import REPO
-    from stalerl.results.report import load_summaries
+    from stalerl_study.report import load_summaries
 
     results = REPO / "tests" / "unit" / "data" / "staleness_schema1"
     summaries = load_summaries([results])

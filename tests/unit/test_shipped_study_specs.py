@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stalerl.launch.study import check_settings, expand, load_spec
+from stalerl_study.cli import check_settings, expand, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

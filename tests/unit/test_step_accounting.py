@@ -44,7 +44,7 @@ def _trainer(tmp_path, trial, **over):
 def _batch_with_zero_groups(trainer):
     """A generated batch whose rewards make groups 0 and 2 all-equal (zero advantages) and the others mixed."""
     torch.manual_seed(0)
-    batch = trainer.generate_batch()
+    batch = trainer.source.generate_batch()
     n = trainer.cfg.gconfig.n_samples
     rewards = torch.tensor([float(i % 2) for i in range(batch.num_rows)])
     for group in (0, 2):
@@ -83,7 +83,7 @@ def test_a_step_with_every_group_zero_takes_no_optimizer_step_and_advances_the_s
     trainer = _trainer(tmp_path, "allzero", **{"actor.skip_zero_advantage_groups": True,
                                                "actor.optimizer.lr_scheduler_type": "linear"})
     torch.manual_seed(0)
-    batch = trainer.generate_batch()
+    batch = trainer.source.generate_batch()
     batch.rewards = torch.ones(batch.num_rows)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     lr0 = trainer.actor.optimizer.param_groups[0]["lr"]

@@ -1,5 +1,5 @@
 """Study specs with pre-registered claims, restricted grids (setting_losses), optimizer variants, and the pilot's
-decision rule (stalerl.launch.study, stalerl.results.pilot)."""
+decision rule (stalerl_study.cli, stalerl_study.pilot)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from conftest import REPO
-from stalerl.results.pilot import check_pilot
-from stalerl.results.report import group, render_markdown
-from stalerl.results.report_metrics import CollapseRule
-from stalerl.launch.study import StudyError, _grid, check_settings, expand, load_spec
+from stalerl_study.pilot import check_pilot
+from stalerl_study.report import group, render_markdown
+from stalerl_study.metrics import CollapseRule
+from stalerl_study.cli import StudyError, _grid, check_settings, expand, load_spec
 
 STUDY = REPO / "examples" / "math" / "study"
 
@@ -62,7 +62,7 @@ def _run(loss: str, method: str, setting: str, seed: int, curve, status: str = "
 
 
 def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
-    from stalerl.results.pilot import decide
+    from stalerl_study.pilot import decide
 
     steps = range(0, 301, 25)
     rise = [(s, 0.2 + s / 1000) for s in steps]
@@ -97,7 +97,7 @@ def test_pilot_rule_reads_only_no_trust_region_and_on_policy():
 def test_stalerl_study_pilot_prints_the_decision(tmp_path, capsys):
     import json
 
-    from stalerl.launch.study import main
+    from stalerl_study.cli import main
 
     steps = range(0, 401, 50)
     for seed in (1, 2):

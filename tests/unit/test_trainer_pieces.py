@@ -18,8 +18,7 @@ def _trainer(tmp_path, **extra):
 @pytest.mark.parametrize("mode", ["rollout", "recompute"])
 def test_behaviour_logp_modes(tmp_path, mode):
     t = _trainer(tmp_path, **{"actor.behavior_logp": mode})
-    t._gen_seconds, t._gen_tokens = 0.0, 0
-    batch = t.generate_batch()
+    batch = t.source.generate_batch()
     recomputed = t.actor.compute_logp(batch)
     m = batch.response_mask
     if mode == "recompute":
@@ -30,13 +29,11 @@ def test_behaviour_logp_modes(tmp_path, mode):
 
 def test_generation_is_seeded_by_task_ids(tmp_path):
     a, b = _trainer(tmp_path), _trainer(tmp_path)
-    for t in (a, b):
-        t._gen_seconds, t._gen_tokens = 0.0, 0
     torch.manual_seed(999)  # the global RNG state must not matter
-    x = a.generate_batch()
-    y = b.generate_batch()
+    x = a.source.generate_batch()
+    y = b.source.generate_batch()
     assert torch.equal(x.response_ids, y.response_ids)
-    assert a.tasks_generated == 8
+    assert a.source.tasks_generated == 8
 
 
 def _fake_batch(version):
@@ -73,3 +70,21 @@ def test_vllm_backend_without_vllm_is_a_clear_error_before_any_work(tmp_path):
     with pytest.raises(ImportError, match=r"rollout.backend=vllm needs vLLM: run scripts/setup_vllm.sh"):
         Trainer(cfg)
     assert not (tmp_path / "runs").exists()  # refused before the run directory, data or model
+
+
+def test_the_launcher_picks_a_rollout_source_for_the_one_loop(tmp_path):
+    """One Trainer class; the launcher chooses where its batches come from. Trainer(cfg) alone is the synchronous
+    fixed-staleness source (the study's warm start builds it that way)."""
+    from stalerl.launch.launcher import build_trainer
+    from stalerl.training.async_source import AdmissionSource
+    from stalerl.training.sources import FixedStalenessSource
+
+    sync = _trainer(tmp_path, **{"rollout.fixed_staleness": 2})
+    assert type(sync.source) is FixedStalenessSource and sync.source.fifo.staleness == 2
+    assert type(build_trainer(sync.cfg).source) is FixedStalenessSource
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{
+        "rollout.fixed_staleness": 0, "rollout.max_head_offpolicyness": 2})])
+    trainer = build_trainer(cfg)  # no worker starts before train()
+    assert type(trainer) is Trainer and type(trainer.source) is AdmissionSource
+    assert trainer.source.manager.max_head_offpolicyness == 2 and not trainer.source.rollout_workers
+    assert type(trainer.engine).__name__ == "HFRolloutEngine"  # the controller's: warm start checks only

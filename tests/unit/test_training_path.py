@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from stalerl.training.actor import Actor, combine_micro_batch_metrics
+from recipe.declaration import MAX, SUM, mean_over, reduce_metrics
+from stalerl.training.actor import Actor
 from stalerl.training.advantage import grpo_advantages
 from stalerl.config import ConfigError, NormConfig, load_config
 from stalerl.core.model import PromptFormatter, load_policy, load_policy_from_config
@@ -125,13 +126,21 @@ def test_logged_lr_is_the_rate_of_this_step(tiny_policy):
 # ------------------------------------------------------------------------------------------------ micro-batch metrics
 
 
-def test_combine_micro_batch_metrics_rules():
-    parts = [(1.0, {"l/clip_fraction": 1.0, "l/ratio_max": 3.0, "l/num_masked_tokens": 1.0}),
-             (3.0, {"l/clip_fraction": 0.0, "l/ratio_max": 2.0, "l/num_masked_tokens": 2.0})]
-    out = combine_micro_batch_metrics(parts)
+def test_reduce_metrics_rules():
+    """Undeclared keys follow the naming convention; declared ones their rule (a declared weight may be a caller's
+    count or another metric of the loss)."""
+    c1, c3 = {"valid_tokens": 1.0, "rows": 1.0}, {"valid_tokens": 3.0, "rows": 1.0}
+    parts = [(c1, {"l/clip_fraction": 1.0, "l/ratio_max": 3.0, "l/num_masked_tokens": 1.0}),
+             (c3, {"l/clip_fraction": 0.0, "l/ratio_max": 2.0, "l/num_masked_tokens": 2.0})]
+    out = reduce_metrics(parts, {})
     assert out == {"l/clip_fraction": 0.25, "l/ratio_max": 3.0, "l/num_masked_tokens": 3.0}
-    assert combine_micro_batch_metrics([(0.0, {"a": 1.0}), (0.0, {"a": 3.0})]) == {"a": 2.0}
-
+    zero = {"valid_tokens": 0.0, "rows": 0.0}
+    assert reduce_metrics([(zero, {"a": 1.0}), (zero, {"a": 3.0})], {}) == {"a": 2.0}
+    rules = {"l/clip_fraction": mean_over("rows"), "l/ratio_max": SUM, "l/num_masked_tokens": MAX}
+    assert reduce_metrics(parts, rules) == {"l/clip_fraction": 0.5, "l/ratio_max": 5.0, "l/num_masked_tokens": 2.0}
+    kept = [(c1, {"f/frac": 0.5, "f/num_kept": 4.0}), (c3, {"f/frac": 1.0, "f/num_kept": 12.0})]
+    out = reduce_metrics(kept, {"f/frac": mean_over("f/num_kept"), "f/num_kept": SUM})
+    assert out == {"f/frac": (0.5 * 4 + 12.0) / 16, "f/num_kept": 16.0}
 
 @pytest.mark.parametrize("loss, keys", [("vanilla", ("vanilla/clip_fraction", "vanilla/ppo_kl")),
                                         ("no_trust_region", ("no_trust_region/ratio_mean",

@@ -165,7 +165,7 @@ def test_weight_sync_path_is_public_ipc_colocated_nccl_on_own_gpus_and_the_inter
 
 @pytest.mark.parametrize("cpu, expected", [(False, "nccl"), (True, "reload")])
 def test_rollout_workers_path_follows_the_build(monkeypatch, cpu, expected):
-    """The controller asks the same question as each worker's engine (stalerl.training.async_trainer sets up its
+    """The controller asks the same question as each worker's engine (stalerl.training.async_source sets up its
     side of nccl from this answer); the vLLM build is stubbed (no vLLM here)."""
     import stalerl.rollout.vllm_engine as ve
 

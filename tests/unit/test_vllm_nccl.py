@@ -187,17 +187,16 @@ class _Sender:
 def _controller(tmp_path, events, behavior_logp: str):
     from types import SimpleNamespace
 
-    from stalerl.training.async_trainer import AsyncTrainer
+    from stalerl.training.async_source import AdmissionSource
 
-    trainer = object.__new__(AsyncTrainer)  # the weight methods only, on a stand-in config and hosting
-    trainer.cfg = SimpleNamespace(actor=SimpleNamespace(behavior_logp=behavior_logp, dtype="bfloat16"),
-                                  rollout=SimpleNamespace(weight_sync="shared_memory",
-                                                          vllm=SimpleNamespace(dtype=None)))
+    trainer = object.__new__(AdmissionSource)  # the weight methods only, on stand-in config sections and hosting
+    trainer.actor_cfg = SimpleNamespace(behavior_logp=behavior_logp, dtype="bfloat16")
+    trainer.rollout = SimpleNamespace(weight_sync="shared_memory", vllm=SimpleNamespace(dtype=None))
     trainer.hosting = SimpleNamespace(share=lambda state: {"shared": sorted(state)})
     trainer.model = torch.nn.Linear(2, 3)
     trainer.nccl_senders, trainer.sent_version, trainer.loaded_version = {"rollout/0": _Sender(events)}, {}, {}
-    trainer.weight_files, trainer.run_dir, trainer.step = {}, tmp_path, 4
-    trainer.host_copy = host_copy_needed("nccl", trainer.cfg)  # as AsyncTrainer.__init__ decides it
+    trainer.weight_files, trainer.run_dir = {}, tmp_path
+    trainer.host_copy = host_copy_needed("nccl", SimpleNamespace(actor=trainer.actor_cfg))  # as AdmissionSource.__init__ decides it
     return trainer
 
 
@@ -219,7 +218,7 @@ def test_controller_queues_the_receive_command_before_broadcasting_and_sends_eac
     HF model recomputes behaviour log-probs."""
     events = []
     trainer = _controller(tmp_path, events, behavior_logp)
-    trainer.publish_weights()
+    trainer.publish_weights(4)
     version, method, (info, params, host) = trainer.latest_weights
     assert (version, method) == (4, "receive_weights") and info == update_info_for(params)
     assert info["names"] == ["weight", "bias"] and info["dtype_names"] == ["bfloat16", "bfloat16"]

@@ -219,7 +219,7 @@ def test_cached_warm_start_result_reaches_the_summary(tmp_path):
 
 
 def test_study_cache_keys_on_the_adaptive_fields(tmp_path):
-    from stalerl.launch.study import warm_start_dir
+    from stalerl_study.cli import warm_start_dir
 
     base = ["--config", str(CPU_CONFIG), f"cluster.fileroot={tmp_path}"]
     dirs = {str(warm_start_dir(load_config(base + list(o)))) for o in (
@@ -230,7 +230,7 @@ def test_study_cache_keys_on_the_adaptive_fields(tmp_path):
 
 
 def test_report_shows_the_adaptive_warm_start_and_flags_a_missed_target():
-    from stalerl.results.report import group, render_markdown
+    from stalerl_study.report import group, render_markdown
 
     def summary(seed: int, steps: float, acc: float, reached: float) -> dict:
         return {"status": "finished", "seed": seed, "loss": "m2po", "setting": "fixed_staleness 4",

@@ -6,18 +6,18 @@ Imported by path by ms-swift while it parses its arguments. It
    ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through) and the ``STALERL_M2*`` / ``STALERL_FIPO_*`` /
    ``STALERL_SWIFT_*`` environment variables (unknown names, bad values: one line);
 2. points ms-swift's GRPO trainer (``TrainerFactory.TRAINER_MAPPING['grpo']``) at
-   :class:`recipe.swift.trainer.GRPOTrainer`, which adds ``--loss_type m2po`` and ``fipo_ref`` and leaves every
-   other loss type to ms-swift;
+   :class:`recipe.swift.trainer.GRPOTrainer`, which adds every ``recipe.registry`` loss as a ``--loss_type``
+   (``m2po``, ``fipo_ref``, ...) and leaves every other loss type to ms-swift;
 3. adds the adapter's argument checks to ``RLHFArguments._check_grpo``, which ms-swift runs after importing the
    plugins and before it loads the model, so unsupported flag combinations fail before any work;
-4. in a Megatron-SWIFT run, refuses ``m2po`` / ``fipo_ref`` when the trainer is built (not supported there yet).
+4. in a Megatron-SWIFT run, refuses the recipe losses when the trainer is built (not supported there yet).
 
 Importing it again (dataloader workers replay plugins) changes nothing.
 """
 
 import sys
 
-from recipe.swift.config import LOSS_TYPES, check_environment, check_swift_args
+from recipe.swift.config import check_environment, check_swift_args, swift_loss_types
 from recipe.versions import check_framework_version
 
 check_framework_version("ms-swift", where="recipe.swift")
@@ -48,7 +48,7 @@ if _megatron is not None and not getattr(_megatron.MegatronRLHF.prepare_trainer,
     _megatron_prepare_trainer = _megatron.MegatronRLHF.prepare_trainer
 
     def _prepare_trainer(self):
-        if getattr(self.args, "loss_type", None) in LOSS_TYPES:
+        if getattr(self.args, "loss_type", None) in swift_loss_types():
             raise ValueError(f"--loss_type {self.args.loss_type} is not supported by Megatron-SWIFT yet (only by "
                              "`swift rlhf`, ms-swift's HF trainer; see docs/integrations/swift.md). Fix: use "
                              "`swift rlhf --rlhf_type grpo`, or one of Megatron's own loss types")

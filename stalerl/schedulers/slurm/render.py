@@ -112,14 +112,47 @@ def render_sbatch(cfg: Any, *, inner_argv: list[str], job_name: str, log_dir: Pa
     Raises :class:`~stalerl.config.ConfigError` naming the key for a value that cannot be written safely.
     """
     sc = cfg.scheduler.slurm
+    # Checks first; their order decides which error a caller sees first. (runs_file and the #SBATCH values are
+    # checked by the steps that write them.)
     _raise_slurm_problems(cfg)
+    array = _check_array_args(array_size, runs_file)
+    if not inner_argv:
+        raise ValueError("inner_argv is empty")
+    inner = _checked_inner_scheduler(cfg, inner_scheduler, array)
+    job_name = _checked_job_name(job_name)
+    argv = [_check_text(f"inner command argument {i} ({a!r})", a) for i, a in enumerate(inner_argv)]
+    py = _check_text("scheduler.slurm.python", python or argv[0])
+    log_dir = Path(os.path.abspath(log_dir))
+    log_pattern = _slurm_filename_dir(log_dir, "log_dir") + ("/%A_%a.log" if array else "/%j.log")
+    wd = _check_text("working directory", str(Path(os.path.abspath(workdir or os.getcwd()))))
+
+    lines = ["#!/bin/bash"]
+    lines += _sbatch_directives(sc, job_name, log_pattern, array_size)
+    lines += _preamble(wd, py, log_dir, argv)
+    if array:
+        lines += _array_task_config(runs_file)
+    if inner == "ray":
+        lines += _ray_cluster(sc)
+    lines += _run_and_forward_signals()
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- render_sbatch, in steps
+def _check_array_args(array_size: Optional[int], runs_file: Optional[Path]) -> bool:
+    """Whether this is a job array. An array's size becomes ``--array=0-<n-1>`` and task ``i`` reads line ``i+1`` of
+    ``runs_file``, so a size below 1 or a missing runs file would give a job that cannot run: refused here."""
     array = array_size is not None
     if array and (not isinstance(array_size, int) or array_size < 1):
         raise ValueError(f"array_size must be a positive int, got {array_size!r}")
     if array and runs_file is None:
         raise ValueError("an array job needs runs_file (line i+1 = the config of array task i)")
-    if not inner_argv:
-        raise ValueError("inner_argv is empty")
+    return array
+
+
+def _checked_inner_scheduler(cfg: Any, inner_scheduler: Optional[str], array: bool) -> str:
+    """The scheduler the controller uses inside the allocation (local or ray). Refused: anything else, and local on
+    more than one node, which would leave every node but the first idle."""
+    sc = cfg.scheduler.slurm
     inner = inner_scheduler or _inner_scheduler(cfg, array)
     if inner not in ("local", "ray"):
         raise ConfigError(f"invalid scheduler.slurm.inner_scheduler: got {inner!r}; expected local or ray.",
@@ -128,17 +161,22 @@ def render_sbatch(cfg: Any, *, inner_argv: list[str], job_name: str, log_dir: Pa
         raise ConfigError(f"invalid scheduler.slurm.nodes: got {sc.nodes} with inner scheduler local; a run spans "
                           "several nodes only through Ray. Fix: set scheduler.slurm.inner_scheduler=ray (or "
                           "nodes=1).", ["scheduler.slurm.nodes", "scheduler.slurm.inner_scheduler"])
+    return inner
+
+
+def _checked_job_name(job_name: str) -> str:
+    """``job_name`` as a single non-blank line: it goes on an ``#SBATCH`` line, where a newline would start a new
+    directive and an empty name would make sbatch fall back to the script's file name."""
     job_name = _check_text("job_name", job_name)
     if not job_name.strip():
         raise ConfigError("invalid job_name: got ''; expected a name.", ["job_name"])
-    argv = [_check_text(f"inner command argument {i} ({a!r})", a) for i, a in enumerate(inner_argv)]
-    py = _check_text("scheduler.slurm.python", python or argv[0])
-    log_dir = Path(os.path.abspath(log_dir))
-    log_pattern = _slurm_filename_dir(log_dir, "log_dir") + ("/%A_%a.log" if array else "/%j.log")
-    workdir = Path(os.path.abspath(workdir or os.getcwd()))
-    wd = _check_text("working directory", str(workdir))
-    q = shlex.quote
+    return job_name
 
+
+def _sbatch_directives(sc: Any, job_name: str, log_pattern: str, array_size: Optional[int]) -> list[str]:
+    """The ``#SBATCH`` header: the allocation (one task per node, each with all the node's CPUs and GPUs, because the
+    controller or Ray spreads the work itself), the log files, the array, then the user's extra arguments last.
+    Every value goes through :func:`sbatch_quote`, as sbatch's own parser reads these lines, not bash."""
     sb = [("job-name", job_name), ("output", log_pattern), ("error", log_pattern), ("nodes", str(sc.nodes)),
           ("ntasks-per-node", "1"), ("cpus-per-task", str(sc.cpus_per_task)), ("mem", sc.mem.strip()),
           ("time", sc.time.strip())]
@@ -148,14 +186,21 @@ def render_sbatch(cfg: Any, *, inner_argv: list[str], job_name: str, log_dir: Pa
         sb.append(("partition", sc.partition))
     if sc.account:
         sb.append(("account", sc.account))
-    if array:
+    if array_size is not None:
         sb.append(("array", f"0-{array_size - 1}" + (f"%{sc.max_parallel}" if sc.max_parallel else "")))
-    lines = ["#!/bin/bash"]
-    lines += [f"#SBATCH --{opt}={sbatch_quote(val)}" for opt, val in sb]
+    lines = [f"#SBATCH --{opt}={sbatch_quote(val)}" for opt, val in sb]
     for arg in sc.extra_sbatch_args:
         name, _, value = _EXTRA_ARG.fullmatch(arg).groups()
         lines.append(f"#SBATCH --{name}" + (f"={sbatch_quote(value)}" if value is not None else ""))
-    lines += [
+    return lines
+
+
+def _preamble(wd: str, py: str, log_dir: Path, argv: list[str]) -> list[str]:
+    """Strict bash, the working directory, and the job's values as shell-quoted literals in variables (the command in
+    the array ``cmd``, which later steps extend): no value is ever eval-ed or word-split. The first log line says
+    where the job landed, which is what one looks for first when a job misbehaves."""
+    q = shlex.quote
+    return [
         "# Generated by stalerl (scheduler.type=slurm). Every value below is a quoted literal; nothing is eval-ed.",
         "set -euo pipefail",
         "export PYTHONUNBUFFERED=1",
@@ -167,90 +212,141 @@ def render_sbatch(cfg: Any, *, inner_argv: list[str], job_name: str, log_dir: Pa
         ' nodes=${SLURM_JOB_NODELIST:-?} cpus-per-task=${SLURM_CPUS_PER_TASK:-?}"',
         "cmd=(" + " ".join(q(a) for a in argv) + ")",
     ]
-    if array:
-        lines += [
-            f"runs_file={q(_check_text('runs_file', str(Path(os.path.abspath(runs_file)))))}",
-            'task=${SLURM_ARRAY_TASK_ID:?not running as a job array task}',
-            'run_config=$(sed -n "$((task + 1))p" "$runs_file")',
-            'if [ -z "$run_config" ]; then log "no run for array task $task in $runs_file" >&2; exit 2; fi',
-            'cmd+=(--config "$run_config")',
-            "# start-up overhead of each run counts from its task's start, not from the submission of the array",
-            f'export {LAUNCH_TIME_ENV}="$(date +%s.%N)"',
-        ]
-    if inner == "ray":
-        gpus = f" --num-gpus={sc.gpus_per_node}" if sc.gpus_per_node > 0 else ""
-        step_gres = f" --gres=gpu:{sc.gpus_per_node}" if sc.gpus_per_node > 0 else ""
-        timeout = int(max(1, round(sc.ray_start_timeout_s)))
-        lines += [
-            "",
-            "# ---- Ray cluster over the allocation: head here (the first node), one worker per other node",
-            'ray_pid=""; workers_pid=""; ray_tmp=""',
-            "stop_pid() {  # SIGTERM, then SIGKILL after 20 s",
-            '  kill -TERM "$1" 2>/dev/null || return 0',
-            '  for _ in $(seq 1 100); do kill -0 "$1" 2>/dev/null || break; sleep 0.2; done',
-            '  kill -KILL "$1" 2>/dev/null || true',
-            '  wait "$1" 2>/dev/null || true',
-            "}",
-            "cleanup() {  # only the Ray processes of this job (not `ray stop`: it kills every Ray on the node)",
-            '  if [ -n "$workers_pid" ]; then stop_pid "$workers_pid"; fi',
-            '  if [ -n "$ray_pid" ]; then stop_pid "$ray_pid"; log "ray stopped"; fi',
-            '  if [ -n "$ray_tmp" ]; then rm -rf -- "$ray_tmp"; fi',
-            "}",
-            "trap cleanup EXIT",
-            "# Token auth: recent Ray turns it on for `ray start --head` when ~/.ray/auth_token exists, but not for a",
-            "# driver that connects to it. A fresh per-job token exported to every process of the job (srun passes",
-            "# the environment on) makes head, workers and driver agree. Only when RAY_AUTH_MODE is unset; older Ray",
-            "# ignores both variables.",
-            'if [ -z "${RAY_AUTH_MODE:-}" ]; then',
-            "  export RAY_AUTH_MODE=token",
-            '  RAY_AUTH_TOKEN=$("$py" -c "import secrets; print(secrets.token_hex(32))")',
-            "  export RAY_AUTH_TOKEN",
-            "fi",
-            'mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")',
-            'if [ "${#nodes[@]}" -eq 0 ]; then nodes=("$(hostname -s)"); fi',
-            'head_node=${nodes[0]}',
-            'n_nodes=${#nodes[@]}',
-            'head_ip=${STALERL_RAY_HEAD_IP:-}',
-            'if [ -z "$head_ip" ]; then head_ip=$(hostname -I 2>/dev/null | awk \'{print $1}\' || true); fi',
-            'if [ -z "$head_ip" ]; then head_ip=$(hostname -i | awk \'{print $1}\'); fi',
-            f'read -r gcs_port client_port agent_port < <("$py" -c {q(_FREE_PORTS_PY)} 3)',
-            'ray_tmp=$(mktemp -d /tmp/stalerl-ray-XXXXXX)  # short: Ray socket paths must fit in 107 bytes',
-            'ray_log="$log_dir/ray-head-${SLURM_JOB_ID:-0}.log"',
-            'log "starting ray head on $head_node ($head_ip:$gcs_port), $n_nodes node(s); ray log: $ray_log"',
-            '"$py" -m ray.scripts.scripts start --head --block --node-ip-address="$head_ip" --port="$gcs_port" \\',
-            '    --ray-client-server-port="$client_port" --dashboard-agent-listen-port="$agent_port" \\',
-            f'    --num-cpus="${{SLURM_CPUS_PER_TASK:-1}}"{gpus} --disable-usage-stats --include-dashboard=false \\',
-            '    --temp-dir="$ray_tmp" >"$ray_log" 2>&1 &',
-            "ray_pid=$!",
-            f"deadline=$((SECONDS + {timeout}))",
-            'until [ -s "$ray_tmp/ray_current_cluster" ]; do',
-            '  if ! kill -0 "$ray_pid" 2>/dev/null; then',
-            '    ray_pid=""; log "ray head failed to start; last lines of $ray_log:" >&2',
-            '    tail -n 30 "$ray_log" >&2 || true; exit 1',
-            "  fi",
-            '  if [ "$SECONDS" -ge "$deadline" ]; then',
-            f'    log "ray head not up after {timeout}s; last lines of $ray_log:" >&2',
-            '    tail -n 30 "$ray_log" >&2 || true; exit 1',
-            "  fi",
-            "  sleep 0.2",
-            "done",
-            'ray_address=$(cat "$ray_tmp/ray_current_cluster")',
-            'export RAY_ADDRESS="$ray_address"',
-            'log "ray head up at $ray_address"',
-            'if [ "$n_nodes" -gt 1 ]; then',
-            '  workers_log="$log_dir/ray-workers-${SLURM_JOB_ID:-0}.log"',
-            '  log "starting ray on $((n_nodes - 1)) more node(s) (log: $workers_log)"',
-            '  srun --nodes="$((n_nodes - 1))" --ntasks="$((n_nodes - 1))" --ntasks-per-node=1 \\',
-            f'      --cpus-per-task="${{SLURM_CPUS_PER_TASK:-1}}"{step_gres} --exclude="$head_node" \\',
-            '      --kill-on-bad-exit=1 \\',
-            '      "$py" -m ray.scripts.scripts start --address="$ray_address" --block --disable-usage-stats \\',
-            f'      --num-cpus="${{SLURM_CPUS_PER_TASK:-1}}"{gpus} >"$workers_log" 2>&1 &',
-            "  workers_pid=$!",
-            f'  "$py" -c {q(_WAIT_NODES_PY)} "$ray_address" "$n_nodes" {timeout}',
-            "fi",
-            'cmd+=("scheduler.ray_address=$ray_address")',
-        ]
-    lines += [
+
+
+def _array_task_config(runs_file: Path) -> list[str]:
+    """Array task ``i`` runs the config on line ``i+1`` of ``runs_file``: one script serves every run of a sweep, so
+    the per-run part is looked up at run time. A task without a line fails loudly instead of running the base
+    config. The launch clock restarts, since tasks may wait in the queue long after the submission."""
+    runs = _check_text("runs_file", str(Path(os.path.abspath(runs_file))))
+    return [
+        f"runs_file={shlex.quote(runs)}",
+        'task=${SLURM_ARRAY_TASK_ID:?not running as a job array task}',
+        'run_config=$(sed -n "$((task + 1))p" "$runs_file")',
+        'if [ -z "$run_config" ]; then log "no run for array task $task in $runs_file" >&2; exit 2; fi',
+        'cmd+=(--config "$run_config")',
+        "# start-up overhead of each run counts from its task's start, not from the submission of the array",
+        f'export {LAUNCH_TIME_ENV}="$(date +%s.%N)"',
+    ]
+
+
+def _ray_cluster(sc: Any) -> list[str]:
+    """A Ray cluster private to this job (inner scheduler ray), its address appended to ``cmd``. Private because a
+    shared node may run other jobs' Ray clusters: fresh ports, its own temp dir and auth token, and on exit only this
+    job's Ray processes are stopped."""
+    timeout = int(max(1, round(sc.ray_start_timeout_s)))
+    return [
+        "",
+        "# ---- Ray cluster over the allocation: head here (the first node), one worker per other node",
+        *_ray_teardown(),
+        *_ray_auth_token(),
+        *_ray_head(sc, timeout),
+        *_ray_workers(sc, timeout),
+        'cmd+=("scheduler.ray_address=$ray_address")',
+    ]
+
+
+def _ray_teardown() -> list[str]:
+    """The exit trap, set before anything starts, so a failure half-way still stops what was started. It stops the
+    pids this script started, never ``ray stop``, which would kill other jobs' Ray on the same node."""
+    return [
+        'ray_pid=""; workers_pid=""; ray_tmp=""',
+        "stop_pid() {  # SIGTERM, then SIGKILL after 20 s",
+        '  kill -TERM "$1" 2>/dev/null || return 0',
+        '  for _ in $(seq 1 100); do kill -0 "$1" 2>/dev/null || break; sleep 0.2; done',
+        '  kill -KILL "$1" 2>/dev/null || true',
+        '  wait "$1" 2>/dev/null || true',
+        "}",
+        "cleanup() {  # only the Ray processes of this job (not `ray stop`: it kills every Ray on the node)",
+        '  if [ -n "$workers_pid" ]; then stop_pid "$workers_pid"; fi',
+        '  if [ -n "$ray_pid" ]; then stop_pid "$ray_pid"; log "ray stopped"; fi',
+        '  if [ -n "$ray_tmp" ]; then rm -rf -- "$ray_tmp"; fi',
+        "}",
+        "trap cleanup EXIT",
+    ]
+
+
+def _ray_auth_token() -> list[str]:
+    """A per-job Ray auth token (see the comment it writes): without it, recent Ray may enable auth for the head but
+    not for the driver, and the run cannot connect."""
+    return [
+        "# Token auth: recent Ray turns it on for `ray start --head` when ~/.ray/auth_token exists, but not for a",
+        "# driver that connects to it. A fresh per-job token exported to every process of the job (srun passes",
+        "# the environment on) makes head, workers and driver agree. Only when RAY_AUTH_MODE is unset; older Ray",
+        "# ignores both variables.",
+        'if [ -z "${RAY_AUTH_MODE:-}" ]; then',
+        "  export RAY_AUTH_MODE=token",
+        '  RAY_AUTH_TOKEN=$("$py" -c "import secrets; print(secrets.token_hex(32))")',
+        "  export RAY_AUTH_TOKEN",
+        "fi",
+    ]
+
+
+def _ray_head(sc: Any, timeout: int) -> list[str]:
+    """The Ray head on this (the first) node, in the background, and a wait of at most ``timeout`` seconds for it to
+    write its address. A head that dies or hangs ends the job with the tail of its log, rather than leaving the run
+    to fail later with a connection error."""
+    gpus = f" --num-gpus={sc.gpus_per_node}" if sc.gpus_per_node > 0 else ""
+    return [
+        'mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")',
+        'if [ "${#nodes[@]}" -eq 0 ]; then nodes=("$(hostname -s)"); fi',
+        'head_node=${nodes[0]}',
+        'n_nodes=${#nodes[@]}',
+        'head_ip=${STALERL_RAY_HEAD_IP:-}',
+        'if [ -z "$head_ip" ]; then head_ip=$(hostname -I 2>/dev/null | awk \'{print $1}\' || true); fi',
+        'if [ -z "$head_ip" ]; then head_ip=$(hostname -i | awk \'{print $1}\'); fi',
+        f'read -r gcs_port client_port agent_port < <("$py" -c {shlex.quote(_FREE_PORTS_PY)} 3)',
+        'ray_tmp=$(mktemp -d /tmp/stalerl-ray-XXXXXX)  # short: Ray socket paths must fit in 107 bytes',
+        'ray_log="$log_dir/ray-head-${SLURM_JOB_ID:-0}.log"',
+        'log "starting ray head on $head_node ($head_ip:$gcs_port), $n_nodes node(s); ray log: $ray_log"',
+        '"$py" -m ray.scripts.scripts start --head --block --node-ip-address="$head_ip" --port="$gcs_port" \\',
+        '    --ray-client-server-port="$client_port" --dashboard-agent-listen-port="$agent_port" \\',
+        f'    --num-cpus="${{SLURM_CPUS_PER_TASK:-1}}"{gpus} --disable-usage-stats --include-dashboard=false \\',
+        '    --temp-dir="$ray_tmp" >"$ray_log" 2>&1 &',
+        "ray_pid=$!",
+        f"deadline=$((SECONDS + {timeout}))",
+        'until [ -s "$ray_tmp/ray_current_cluster" ]; do',
+        '  if ! kill -0 "$ray_pid" 2>/dev/null; then',
+        '    ray_pid=""; log "ray head failed to start; last lines of $ray_log:" >&2',
+        '    tail -n 30 "$ray_log" >&2 || true; exit 1',
+        "  fi",
+        '  if [ "$SECONDS" -ge "$deadline" ]; then',
+        f'    log "ray head not up after {timeout}s; last lines of $ray_log:" >&2',
+        '    tail -n 30 "$ray_log" >&2 || true; exit 1',
+        "  fi",
+        "  sleep 0.2",
+        "done",
+        'ray_address=$(cat "$ray_tmp/ray_current_cluster")',
+        'export RAY_ADDRESS="$ray_address"',
+        'log "ray head up at $ray_address"',
+    ]
+
+
+def _ray_workers(sc: Any, timeout: int) -> list[str]:
+    """One Ray worker per other node, as a single srun step (``--kill-on-bad-exit``: one lost node fails the step),
+    then a wait until every node has joined, so the run never starts on a partial cluster."""
+    gpus = f" --num-gpus={sc.gpus_per_node}" if sc.gpus_per_node > 0 else ""
+    step_gres = f" --gres=gpu:{sc.gpus_per_node}" if sc.gpus_per_node > 0 else ""
+    return [
+        'if [ "$n_nodes" -gt 1 ]; then',
+        '  workers_log="$log_dir/ray-workers-${SLURM_JOB_ID:-0}.log"',
+        '  log "starting ray on $((n_nodes - 1)) more node(s) (log: $workers_log)"',
+        '  srun --nodes="$((n_nodes - 1))" --ntasks="$((n_nodes - 1))" --ntasks-per-node=1 \\',
+        f'      --cpus-per-task="${{SLURM_CPUS_PER_TASK:-1}}"{step_gres} --exclude="$head_node" \\',
+        '      --kill-on-bad-exit=1 \\',
+        '      "$py" -m ray.scripts.scripts start --address="$ray_address" --block --disable-usage-stats \\',
+        f'      --num-cpus="${{SLURM_CPUS_PER_TASK:-1}}"{gpus} >"$workers_log" 2>&1 &',
+        "  workers_pid=$!",
+        f'  "$py" -c {shlex.quote(_WAIT_NODES_PY)} "$ray_address" "$n_nodes" {timeout}',
+        "fi",
+    ]
+
+
+def _run_and_forward_signals() -> list[str]:
+    """The run itself, in the background so the shell can forward scancel's SIGTERM (and SIGINT) to it: the run then
+    stops at the end of its step with a final checkpoint rather than being killed. The job exits with the run's
+    exit code, so Slurm's job state says whether training succeeded."""
+    return [
         "",
         "# ---- the run: the same controller as scheduler.type=local/ray; its exit code is the job's",
         'log "running: $(printf \'%q \' "${cmd[@]}")"',
@@ -270,4 +366,3 @@ def render_sbatch(cfg: Any, *, inner_argv: list[str], job_name: str, log_dir: Pa
         'exit "$rc"',
         "",
     ]
-    return "\n".join(lines)

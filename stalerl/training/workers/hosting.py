@@ -317,9 +317,10 @@ class RayHosting:
             ray.shutdown()
 
 
-def make_hosting(cfg: Any, log_dir: Path):
-    if cfg.scheduler.type == "ray":
-        return RayHosting(log_dir, address=cfg.scheduler.ray_address)
+def make_hosting(scheduler: Any, log_dir: Path):
+    """The worker processes' hosting for the config's ``scheduler`` section."""
+    if scheduler.type == "ray":
+        return RayHosting(log_dir, address=scheduler.ray_address)
     return LocalHosting(log_dir)
 
 

@@ -7,24 +7,19 @@ The tests import them; a conftest.py here would shadow tests/conftest.py, which 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     from stalerl.core.model import build_char_tokenizer, build_tiny_model
 
+    # MASTER_PORT=0: this one rank's env:// store binds a port the OS picks and holds it (no rank needs to know
+    # it), so no other process can take it between choosing and binding (tests/_ports.py)
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port()), "AREAL_SPMD_MODE": "1"}.items():
+                       "MASTER_PORT": "0", "AREAL_SPMD_MODE": "1"}.items():
         os.environ.setdefault(key, value)
     path = tmp_path_factory.mktemp("tiny-qwen2")
     tokenizer = build_char_tokenizer()

@@ -24,8 +24,10 @@ def rank_rows(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, loss: str, n_mbs: int, batch_path: str,
              out_dir: str, extra: dict[str, Any]) -> None:
+    # AReaL's engine calls init_process_group (env://) itself; with TORCHELASTIC_USE_AGENT_STORE every rank joins
+    # the store on MASTER_PORT as a client, as under torchrun: the parent holds that store (tests/_ports.py)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), AREAL_SPMD_MODE="1")
+                      MASTER_PORT=str(port), AREAL_SPMD_MODE="1", TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)  # two ranks on a shared CPU
     from areal.utils import stats_tracker
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from _areal_fixtures import _free_port, model_dir  # noqa: F401 - pytest fixture
+from _areal_fixtures import model_dir  # noqa: F401 - pytest fixture
+from _ports import held_store
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -40,16 +41,11 @@ def _two_rank_update(model_dir: Path, tmp_path: Path, loss: str, batch: dict, ex
 
     batch_path = tmp_path / "batch.pt"
     torch.save(batch, batch_path)
-    for attempt in range(3):
-        try:
-            mp.spawn(run_rank, args=(WORLD, _free_port(), str(model_dir), loss, 2, str(batch_path), str(tmp_path),
-                                     extra), nprocs=WORLD, join=True)
-            break
-        except mp.ProcessRaisedException as exc:
-            # the free port was taken by another process between _free_port() and the rendezvous (CI runs other
-            # suites beside this one): a new port, not a test failure
-            if "EADDRINUSE" not in str(exc) or attempt == 2:
-                raise
+    # the ranks' store, held here until they are done; they join it as clients (run_rank), so no rank binds a port
+    # that another process could have taken since it was chosen (tests/_ports.py)
+    store = held_store()
+    mp.spawn(run_rank, args=(WORLD, store.port, str(model_dir), loss, 2, str(batch_path), str(tmp_path), extra),
+             nprocs=WORLD, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests" / "unit"))  # the literal references live 
 
 import torch  # noqa: E402
 
+from _ports import TORCHRUN_STANDALONE_ENV  # noqa: E402
 from _swift_tiny import build_model_dir, write_dataset, write_plugins  # noqa: E402
 from m2po_reference import reference_m2po  # noqa: E402
 from recipe import swift as recipe_swift  # noqa: E402
@@ -388,18 +389,12 @@ def test_the_old_log_prob_fallback_is_used_for_whole_steps_and_logged_every_step
 # ------------------------------------------------------------------------------------- two processes (torchrun)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_process_env(rollout: str) -> dict[str, str]:
-    """ms-swift's own launcher: NPROC_PER_NODE=2 makes ``swift rlhf`` run torchrun (gloo on CPU)."""
+    """ms-swift's own launcher: NPROC_PER_NODE=2 makes ``swift rlhf`` run torchrun (gloo on CPU). No MASTER_PORT:
+    torchrun runs standalone (PET_STANDALONE, read by torchrun itself), its agent holding ports the OS picks
+    (tests/_ports.py); it would ignore a MASTER_PORT/MASTER_ADDR inherited from the environment."""
     return {"STALERL_M2_THRESHOLD": str(TAU), "SWIFT_TEST_ROLLOUT": rollout, "NPROC_PER_NODE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            **TORCHRUN_STANDALONE_ENV}
 
 
 # --use_cpu true: on a machine without a GPU, accelerate (PartialState._prepare_backend) picks MULTI_CPU/gloo only

@@ -92,7 +92,7 @@ def kl_entropy_reference(rows: dict[str, torch.Tensor], log_prob: torch.Tensor, 
 
 
 def registry_loss(name: str, rows: dict[str, torch.Tensor], log_prob: torch.Tensor, *,
-                   num_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+                   num_tokens: Optional[int] = None, **extras: torch.Tensor) -> tuple[torch.Tensor, dict]:
     from recipe.optimizer_batch import with_global_batch_info
     from recipe.registry import get_policy_loss_fn
 
@@ -101,7 +101,7 @@ def registry_loss(name: str, rows: dict[str, torch.Tensor], log_prob: torch.Tens
         config = with_global_batch_info(config, num_tokens=num_tokens, dp_size=1)
     return get_policy_loss_fn(name)(old_log_prob=rows["old_log_probs"], log_prob=log_prob,
                                     advantages=rows["advantages"], response_mask=rows["response_mask"].bool(),
-                                    loss_agg_mode="token-mean", config=config)
+                                    loss_agg_mode="token-mean", config=config, **extras)
 
 
 def literal_m2po_loss(rows: dict[str, torch.Tensor], log_prob: torch.Tensor, num_tokens: int) -> tuple[float, int]:

@@ -295,8 +295,13 @@ def test_fipo_one_micro_batch_through_verls_engine_is_the_reference_on_the_mini_
     assert metrics["fipo/sequence_drop_ratio"] > 0, "the data must make FIPO drop a row"
     for key, value in metrics.items():
         assert seen[0]["metrics"][f"actor/{key}"] == pytest.approx(value, rel=1e-6, abs=1e-9)
-    # what keeping the dropped rows in the denominator (verl's count) would have given instead
-    verl_count, _ = C.registry_loss("fipo", rows, rows["table"], num_tokens=n_valid)
+    # what keeping the dropped rows in the denominator (verl's count) would have given instead (the step plan's
+    # sequence drop with verl's count as given: FIPO itself takes its own count less the dropped rows' tokens)
+    from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch
+
+    plan = plan_optimizer_batch("fipo", [MicroBatch(rows["old_log_probs"], rows["table"], rows["advantages"],
+                                                    rows["response_mask"].bool())], C.RECIPE_CONFIG["fipo"])
+    verl_count, _ = C.registry_loss("fipo", rows, rows["table"], num_tokens=n_valid, **plan.extras[0])
     assert float(verl_count) != pytest.approx(float(expected.detach()), rel=1e-3)
 
 

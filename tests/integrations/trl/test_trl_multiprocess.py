@@ -4,7 +4,6 @@ processes' micro-batches, the token count covers both, and 2 x (4x1) and 2 x (2x
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _ports import TORCHRUN_STANDALONE
 from trl_cases import REPO, require_trl
 
 pytestmark = pytest.mark.trl
@@ -19,16 +19,11 @@ WORKER = Path(__file__).with_name("trl_dist_worker.py")
 TAU = 0.2  # test_trl_grpo.SPLIT_TAU
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path: Path, per_device: int, ga: int) -> list[dict]:
     out = tmp_path / f"{per_device}x{ga}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), str(per_device), str(ga), str(out)]
+    # standalone: torchrun's agent binds its stores to ports the OS picks and holds them (tests/_ports.py)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *TORCHRUN_STANDALONE,
+           str(WORKER), str(per_device), str(ga), str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

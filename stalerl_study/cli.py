@@ -14,13 +14,14 @@ the name must be what the run reports, i.e. ``fixed_staleness S`` or AReaL's ``s
 checked), ``seeds``, ``method_keys`` (summary fields naming a method), ``parallel`` (runs at once under the local
 scheduler), ``warm_start_cache`` (default true), ``results`` (where summaries are collected), ``doc``,
 ``figure_metrics``, ``claims`` (a mapping of pre-registered claims, tested with Holm-adjusted one-sided tests, see
-stalerl.results.report_prereg; a claim may state ``expected_sd``, and ``stalerl-study run`` prints every claim's power
-at the spec's seeds before anything runs and refuses an equivalence claim that could not pass at a true difference
-of 0 unless it says ``accept_low_power``; ``stalerl-study power SPEC`` prints the same without running; the legacy ``staleness`` / ``async`` strings check the published claims the old way,
-see stalerl.results.report_claims), ``setting_losses`` (optional mapping setting -> the losses run there, e.g.
-on-policy once), ``variant_losses`` (optional mapping variant -> the losses run with it, e.g. a tau variant for m2po
-only; a variant not listed runs with every loss), ``pilot`` (a pilot's decision rule, see stalerl.results.pilot: validated, copied into study.json
-and applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
+stalerl_study.prereg; a claim may state ``expected_sd``, and ``stalerl-study run`` prints every claim's power at the
+spec's seeds before anything runs and refuses an equivalence claim that could not pass at a true difference of 0
+unless it says ``accept_low_power``; ``stalerl-study power SPEC`` prints the same without running; the legacy
+``staleness`` / ``async`` strings check the published claims the old way, see stalerl_study.claims),
+``setting_losses`` (optional mapping setting -> the losses run there, e.g. on-policy once), ``variant_losses``
+(optional mapping variant -> the losses run with it, e.g. a tau variant for m2po only; a variant not listed runs
+with every loss), ``pilot`` (a pilot's decision rule, see stalerl_study.pilot: validated, copied into study.json and
+applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
@@ -52,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -59,9 +61,9 @@ import yaml
 
 from stalerl.core.errors import refuse_unknown_keys
 from stalerl.core.io import atomic_write_text
-from stalerl.results.report import STUDY_FILE, make_set_aside_dir, read_summary_file
 from stalerl.results.run_summary import (SUMMARY_FILE, WARM_START_MARKER, build_summary, digest, identity_fields,
                                          machine_description, read_summary, setting_of, write_summary)
+from stalerl_study.report import STUDY_FILE, make_set_aside_dir, read_summary_file
 
 SPEC_KEYS = {"name", "title", "config", "overrides", "losses", "variants", "settings", "seeds", "method_keys",
              "parallel", "warm_start_cache", "results", "doc", "experiment_name", "figure_metrics",
@@ -78,10 +80,10 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     refuse_unknown_keys(str(p), spec, SPEC_KEYS, StudyError)
     for key in ("name", "config", "losses", "settings", "seeds"):
         if not spec.get(key):
-            raise StudyError(f"{p}: '{key}' is required (see stalerl/launch/study.py for the format)")
+            raise StudyError(f"{p}: '{key}' is required (see stalerl_study/cli.py for the format)")
     claims = spec.get("claims")
-    if isinstance(claims, dict):  # pre-registered claims (stalerl.results.report_prereg): checked before anything runs
-        from stalerl.results.report_prereg import ClaimSpecError, parse_claims
+    if isinstance(claims, dict):  # pre-registered claims (stalerl_study.prereg): checked before anything runs
+        from stalerl_study.prereg import ClaimSpecError, parse_claims
 
         try:
             parse_claims(claims)
@@ -89,7 +91,7 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
             raise StudyError(f"{p}: {exc}") from exc
     elif claims not in (None, "staleness", "async"):
         raise StudyError(f"{p}: claims={claims!r}; expected a mapping of pre-registered claims (see "
-                         "stalerl/results/report_prereg.py), or the legacy staleness / async (or leave it out)")
+                         "stalerl_study/prereg.py), or the legacy staleness / async (or leave it out)")
     if not isinstance(spec["settings"], dict):
         raise StudyError(f"{p}: 'settings' must map a setting name to its list of overrides")
     spec.setdefault("title", spec["name"])
@@ -114,7 +116,7 @@ def load_spec(path: os.PathLike) -> dict[str, Any]:
     if isinstance(claims, dict):
         _check_claim_cells(spec, p)
     if spec.get("pilot") is not None:
-        from stalerl.results.pilot import check_pilot
+        from stalerl_study.pilot import check_pilot
 
         try:
             check_pilot(spec["pilot"])
@@ -141,7 +143,7 @@ def _check_loss_map(spec: dict[str, Any], p: Any, key: str, names_key: str, what
 
 def _check_claim_cells(spec: dict[str, Any], p: Path) -> None:
     """Every cell a pre-registered claim names must be in the grid (a typo would make a claim untestable)."""
-    from stalerl.results.report_prereg import parse_claims
+    from stalerl_study.prereg import parse_claims
 
     grid = {tuple(x) for x in _grid(spec)}
     claim_set = parse_claims(spec["claims"])
@@ -214,7 +216,7 @@ def check_settings(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[Any
         if got != r["setting"]:
             raise StudyError(f"setting {r['setting']!r} runs as {got!r}; rename it to {got!r} in the spec (the report "
                              "groups by the name a run reports)")
-        from stalerl.results.report import method_label
+        from stalerl_study.report import method_label
 
         reported = method_label(identity_fields(cfg), spec["method_keys"])
         if r.get("method") is not None and reported != r["method"]:
@@ -314,111 +316,180 @@ def run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool = False, fo
 
 def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bool, scheduler: Optional[str],
                report: bool, command: Optional[str], invocation: Optional[str] = None) -> int:
-    from stalerl.config import run_dir
-    from stalerl.core.interrupt import signal_name, stop_requested
-
+    """The steps of :func:`run_study`, in order; each stops the study (an exit code) or hands its result on."""
     start = time.time()
+    grid = _plan_runs(spec, scheduler)
+    check_power(spec)  # prints every claim's power; refuses an underpowered equivalence claim before any work
+    print(f"study {spec['name']}: {len(grid.runs)} runs (scheduler.type={grid.kind}, parallel={spec['parallel']})")
+    for r in grid.runs:
+        print(f"  {r['trial']}")
+    if dry_run:
+        return 0
+    _use_warm_start_cache(spec, grid)
+    reuse = _find_reusable_runs(spec, grid, force)
+    code = _warm_start_seeds(spec, grid, reuse)
+    if code is not None:
+        return code
+    codes, sweep_signum = _run_remaining(spec, grid, reuse)
+    statuses, signum = _collect_summaries(spec, grid, reuse, codes, sweep_signum)
+    wall = _write_study_file(spec, grid, reuse, start=start, spec_path=spec_path, command=command,
+                             invocation=invocation)
+    return _finish(spec, grid, statuses, codes, signum=signum, wall=wall, report=report)
+
+
+@dataclass
+class _Grid:
+    """The runs of one invocation in grid order, ``configs[i]`` the loaded config of ``runs[i]``."""
+    runs: list[dict[str, Any]]
+    configs: list[Any]
+    kind: str  # scheduler.type of the runs
+    cached: bool = False  # the warm-start cache is used: every RL run starts from its seed's saved model
+    warm_cmds: dict[str, list[str]] = field(default_factory=dict)  # trial -> [cache dir, *its warm start's argv]
+
+
+@dataclass
+class _Reuse:
+    """What the runs of a :class:`_Grid` need: which are done already and which are to run."""
+    here: dict[str, Any]  # this checkout's code (stalerl.results.run_summary.code_state)
+    reused: dict[str, tuple[Path, dict[str, Any]]]  # trial -> (the summary file it came from, the summary)
+    refused: dict[str, int]  # why finished summaries were not reused -> how many
+    todo: list[tuple[dict[str, Any], Any]]  # (run, config) of each run to do
+    stale: dict[str, Optional[int]]  # trial to do -> mtime of the summary its run directory holds now, if any
+    kept: list[dict[str, Any]]  # reused summaries found only in ``results`` (their run directory is not here)
+
+
+def _plan_runs(spec: dict[str, Any], scheduler: Optional[str]) -> _Grid:
+    """Expand the grid and load (validate) every run's config before anything starts: a bad override or a setting
+    named otherwise than its runs report fails in seconds, not after hours of runs."""
     runs = expand(spec)
     if scheduler:
         for r in runs:
             r["overrides"].append(f"scheduler.type={scheduler}")
     configs = check_settings(spec, runs)
-    check_power(spec)  # prints every claim's power; refuses an underpowered equivalence claim before any work
-    kind = configs[0].scheduler.type
-    print(f"study {spec['name']}: {len(runs)} runs (scheduler.type={kind}, parallel={spec['parallel']})")
-    for r in runs:
-        print(f"  {r['trial']}")
-    if dry_run:
-        return 0
+    return _Grid(runs=runs, configs=configs, kind=configs[0].scheduler.type)
 
-    # 1. Which runs are already done: finished (or diverged) in their run directory, or (a study resumed in a fresh
-    #    checkout, whose run directories are gone) collected in ``results``, from the same config and the same code
-    #    (reuse_refusal). With the warm-start cache every RL run starts from its seed's saved model (its path is part
-    #    of the config, known beforehand).
-    cached = spec["warm_start_cache"] and configs[0].warm_start.steps > 0
-    warm_cmds: dict[str, list[str]] = {}
-    if cached:
-        for r, cfg in zip(runs, configs):
-            d = warm_start_dir(cfg)
-            warm_cmds[r["trial"]] = [str(d), sys.executable, "-m", "stalerl.launch.study", "warm-start", "--out",
-                                     str(d), "--config", spec["config"], *r["overrides"]]
-            r["overrides"] += [f"actor.path={d}", "warm_start.steps=0"]
-        configs = [_load(spec["config"], r["overrides"]) for r in runs]
-    results = Path(spec["results"])
+
+def _use_warm_start_cache(spec: dict[str, Any], grid: _Grid) -> None:
+    """With the warm-start cache every RL run starts from its seed's saved model (``actor.path=<cache>
+    warm_start.steps=0``), so the supervised warm start runs once per seed, not once per run. The cache's path is part
+    of each run's config, so it is set (and the configs reloaded) before the reuse check compares configs."""
+    grid.cached = bool(spec["warm_start_cache"] and grid.configs[0].warm_start.steps > 0)
+    if not grid.cached:
+        return
+    for r, cfg in zip(grid.runs, grid.configs):
+        d = warm_start_dir(cfg)
+        grid.warm_cmds[r["trial"]] = [str(d), sys.executable, "-m", "stalerl_study.cli", "warm-start", "--out",
+                                      str(d), "--config", spec["config"], *r["overrides"]]
+        r["overrides"] += [f"actor.path={d}", "warm_start.steps=0"]
+    grid.configs = [_load(spec["config"], r["overrides"]) for r in grid.runs]
+
+
+def _find_reusable_runs(spec: dict[str, Any], grid: _Grid, force: bool) -> _Reuse:
+    """Which runs are already done, so an interrupted study resumes instead of starting over: finished (or diverged)
+    in their run directory, or (a study resumed in a fresh checkout, whose run directories are gone) collected in
+    ``results``, from the same config and the same code (:func:`reuse_refusal`). Refuses (before any warm start) to
+    add runs to collected ones that used other kernels, which would not pair with them."""
+    from stalerl.config import run_dir
     from stalerl.results.run_summary import code_state
 
+    results = Path(spec["results"])
     here = code_state()
-    reused: dict[str, tuple[Path, dict[str, Any]]] = {}  # trial -> (the summary file it came from, the summary)
-    refused: dict[str, int] = {}  # why finished summaries were not reused -> how many
+    reused: dict[str, tuple[Path, dict[str, Any]]] = {}
+    refused: dict[str, int] = {}
     if not force:
-        for r, c in zip(runs, configs):
+        for r, c in zip(grid.runs, grid.configs):
             found = find_reusable(r["trial"], c, results, here)
             if isinstance(found, tuple):
                 reused[r["trial"]] = found
             elif found:
                 refused[found] = refused.get(found, 0) + 1
-    todo = [(r, c) for r, c in zip(runs, configs) if r["trial"] not in reused]
+    todo = [(r, c) for r, c in zip(grid.runs, grid.configs) if r["trial"] not in reused]
     # A run to do may hold an earlier run's summary (other code or config): collected only if the run rewrites it
     stale = {r["trial"]: _mtime(run_dir(c) / SUMMARY_FILE) for r, c in todo}
     kept = [s for path, s in reused.values() if path.parent == results]  # no run directory here: maybe another machine
     if todo and kept:
         check_same_kernels(spec["name"], kept)
+    return _Reuse(here=here, reused=reused, refused=refused, todo=todo, stale=stale, kept=kept)
 
-    # 2. Warm start once per seed that still has a run to do.
-    if cached:
-        jobs: dict[str, list[str]] = {}
-        for r, _ in todo:
-            d, *argv = warm_cmds[r["trial"]]
-            if not (Path(d) / WARM_START_MARKER).is_file():
-                jobs.setdefault(d, argv)
-        t0 = time.time()
-        codes = _pool([(f"warm start {Path(k).name}", v) for k, v in jobs.items()], spec["parallel"])
-        if (signum := stop_requested()) is not None:
-            print(f"study {spec['name']}: interrupted by {signal_name(signum)} during the warm starts; the finished "
-                  "ones are kept (each is saved whole or not at all); the same command resumes", file=sys.stderr)
-            return 128 + signum
-        if any(codes.values()):
-            print("a warm start failed; see its output above", file=sys.stderr)
-            return 1
-        if jobs:
-            print(f"warm starts: {len(jobs)} in {time.time() - t0:.0f}s")
 
-    # 3. The grid.
-    for why, n in sorted(refused.items()):
+def _warm_start_seeds(spec: dict[str, Any], grid: _Grid, reuse: _Reuse) -> Optional[int]:
+    """Warm start once per seed that still has a run to do and no saved model yet, before the grid: the RL runs load
+    the saved model. Returns the exit code to stop the study with (a signal, a failed warm start), else None."""
+    from stalerl.core.interrupt import signal_name, stop_requested
+
+    if not grid.cached:
+        return None
+    jobs: dict[str, list[str]] = {}
+    for r, _ in reuse.todo:
+        d, *argv = grid.warm_cmds[r["trial"]]
+        if not (Path(d) / WARM_START_MARKER).is_file():
+            jobs.setdefault(d, argv)
+    t0 = time.time()
+    codes = _pool([(f"warm start {Path(k).name}", v) for k, v in jobs.items()], spec["parallel"])
+    if (signum := stop_requested()) is not None:
+        print(f"study {spec['name']}: interrupted by {signal_name(signum)} during the warm starts; the finished "
+              "ones are kept (each is saved whole or not at all); the same command resumes", file=sys.stderr)
+        return 128 + signum
+    if any(codes.values()):
+        print("a warm start failed; see its output above", file=sys.stderr)
+        return 1
+    if jobs:
+        print(f"warm starts: {len(jobs)} in {time.time() - t0:.0f}s")
+    return None
+
+
+def _run_remaining(spec: dict[str, Any], grid: _Grid, reuse: _Reuse) -> tuple[dict[str, int], Optional[int]]:
+    """Say what is reused and why finished runs are not, then run the runs still to do: ``parallel`` at a time under
+    the local scheduler, else as one sweep on the cluster scheduler. Returns (exit code per run started, the signal
+    a cluster sweep was stopped by or None)."""
+    results = Path(spec["results"])
+    for why, n in sorted(reuse.refused.items()):
         print(f"study {spec['name']}: not reusing {n} finished run{'s' if n > 1 else ''}: {why}")
+    here, kept, todo = reuse.here, reuse.kept, reuse.todo
     code_now = "no git checkout" if not here["commit"] else f"commit {here['commit'][:12]}" + (
         f" with uncommitted changes {here['dirty_digest']}" if here["dirty"] else "")
-    print(f"{len(reused)} runs already finished with this config and code ({code_now})"
+    print(f"{len(reuse.reused)} runs already finished with this config and code ({code_now})"
           f"{f'; {len(kept)} of them only in {results}' if kept else ''}; running {len(todo)}")
     codes: dict[str, int] = {}
     sweep_signum = None  # a cluster sweep takes the signal itself (stalerl.launch.cli.run_sweep_on) and says which
-    if todo and kind == "local":
+    if todo and grid.kind == "local":
         codes = _pool([(r["trial"], [sys.executable, "-m", "stalerl.launch.cli", "--config", spec["config"],
                                      *r["overrides"]]) for r, _ in todo], spec["parallel"])
     elif todo:
         from stalerl.launch.cli import run_sweep_on
 
-        statuses, sweep_signum = run_sweep_on(kind, spec["config"], [(r["trial"], r["overrides"]) for r, _ in todo],
+        statuses, sweep_signum = run_sweep_on(grid.kind, spec["config"],
+                                              [(r["trial"], r["overrides"]) for r, _ in todo],
                                               [c for _, c in todo])  # an interrupted run has no finished summary
         codes = {r["trial"]: 0 if s == "ok" else 1 for (r, _), s in zip(todo, statuses)}
+    return codes, sweep_signum
 
-    # 4. Collect the summaries (a run that died without one gets a failed summary from its config). Summaries of
-    #    runs this spec no longer lists (an earlier cut of the grid) are moved aside, so the block shows this spec;
-    #    those of its runs that a --seeds/--losses/--settings cut did not run now stay.
+
+def _collect_summaries(spec: dict[str, Any], grid: _Grid, reuse: _Reuse, codes: dict[str, int],
+                       sweep_signum: Optional[int]) -> tuple[dict[str, Optional[str]], Optional[int]]:
+    """Copy each run's summary into ``results``, where the report reads them and where they are committed (a run that
+    died without one gets a failed summary from its config; after a signal, only finished or diverged runs are
+    collected, so the resumed study runs the others). Summaries of runs this spec no longer lists (an earlier cut of
+    the grid) are moved aside, so the block shows this spec; those of its runs that a --seeds/--losses/--settings cut
+    did not run now stay. Returns (status per collected run, the signal the study was stopped by or None)."""
+    from stalerl.config import run_dir
+    from stalerl.core.interrupt import stop_requested
+
+    results = Path(spec["results"])
     results.mkdir(parents=True, exist_ok=True)
-    moved = set_aside_other_summaries(results, {*spec.get("registered_trials", ()), *(r["trial"] for r in runs)})
+    moved = set_aside_other_summaries(results, {*spec.get("registered_trials", ()), *(r["trial"] for r in grid.runs)})
     if moved:
         print(f"study {spec['name']}: {len(moved)} summaries in {results} are of runs this spec does not list "
               f"({', '.join(p.stem for p in moved[:5])}{', ...' if len(moved) > 5 else ''}); moved to "
               f"{moved[0].parent} so the report shows only this spec's runs")
     signum = stop_requested() or sweep_signum
     statuses: dict[str, Optional[str]] = {}
-    for r, cfg in zip(runs, configs):
+    for r, cfg in zip(grid.runs, grid.configs):
         path = run_dir(cfg) / SUMMARY_FILE
-        if r["trial"] in reused:  # from its run directory, or collected earlier (its run directory is gone)
-            summary = reused[r["trial"]][1]
+        if r["trial"] in reuse.reused:  # from its run directory, or collected earlier (its run directory is gone)
+            summary = reuse.reused[r["trial"]][1]
         else:  # run now (a summary it did not write, e.g. one that never started after a signal, is not its own)
-            fresh = r["trial"] in codes and _mtime(path) not in (None, stale.get(r["trial"]))
+            fresh = r["trial"] in codes and _mtime(path) not in (None, reuse.stale.get(r["trial"]))
             summary = read_summary(path) if fresh else None
         if signum is not None and (summary or {}).get("status") not in ("finished", "diverged"):
             summary = None  # stopped, or never started: collected when the resumed study has run it
@@ -431,12 +502,22 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
                                     error=f"no summary written (exit code {codes.get(r['trial'])})")
         write_summary(results / f"{r['trial']}.json", summary)
         statuses[r["trial"]] = summary.get("status")
+    return statuses, signum
+
+
+def _write_study_file(spec: dict[str, Any], grid: _Grid, reuse: _Reuse, *, start: float, spec_path: str,
+                      command: Optional[str], invocation: Optional[str]) -> float:
+    """Write ``results/study.json``: what the report needs besides the summaries (the registered grid, methods,
+    claims, the pilot's rule, how to reproduce and regenerate the block), the wall time over every invocation that ran
+    part of the table, and where each reused run's summary came from. Returns that wall time (seconds)."""
+    results = Path(spec["results"])
+    todo = reuse.todo
     own = time.time() - start if todo else 0.0  # an invocation with nothing to run adds no time to the table
     wall = own
     # The table's time includes earlier invocations whose summaries this one kept: a resumed study, or the other
     # parts of a grid run as --seeds/--losses/--settings cuts (not when everything was re-run: --force, all todo).
     ran_now = {r["trial"] for r, _ in todo}
-    earlier = [t for t in spec.get("registered_trials", [r["trial"] for r in runs])
+    earlier = [t for t in spec.get("registered_trials", [r["trial"] for r in grid.runs])
                if t not in ran_now and (results / f"{t}.json").is_file()]
     previous_meta = _read_study_file(results / STUDY_FILE) if earlier else {}
     wall += float(previous_meta.get("wall_s") or 0.0)
@@ -447,7 +528,7 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
         "methods": _method_labels(full),
         "command": command or f"stalerl-study run {spec_path}",
         "regenerate": f"stalerl-report {spec['results']} --update-doc {spec['doc']}",
-        "wall_s": round(wall, 1), "runs": len(expand(full)), "parallel": spec["parallel"], "scheduler": kind,
+        "wall_s": round(wall, 1), "runs": len(expand(full)), "parallel": spec["parallel"], "scheduler": grid.kind,
         "machine": machine_description(),
         # each invocation that ran part of this table: its command, runs and wall time (the sum is wall_s)
         "invocations": _invocations(previous_meta) + ([{
@@ -455,31 +536,41 @@ def _run_study(spec: dict[str, Any], *, spec_path: str, dry_run: bool, force: bo
             "wall_s": round(own, 1)}] if todo else []),
     }
     # What was reused, from where: this invocation's reuses, and an earlier invocation's for runs it did not list
-    listed = {r["trial"] for r in runs}
+    listed = {r["trial"] for r in grid.runs}
     earlier_reused = {t: v for t, v in (_read_study_file(results / STUDY_FILE).get("reused") or {}).items()
                       if t not in listed and (results / f"{t}.json").is_file()}
-    meta["reused"] = {**earlier_reused, **{t: reuse_record(p, s) for t, (p, s) in reused.items()}}
+    meta["reused"] = {**earlier_reused, **{t: reuse_record(p, s) for t, (p, s) in reuse.reused.items()}}
     for key in ("figure_metrics", "claims", "pilot"):  # optional: figures, claims to check, a pilot's rule
         if spec.get(key):
             meta[key] = spec[key]
     if full.get("setting_losses"):  # not the full loss x setting product: the report shows only these cells
         meta["grid"] = _grid(full)
     atomic_write_text(results / STUDY_FILE, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    return wall
+
+
+def _finish(spec: dict[str, Any], grid: _Grid, statuses: dict[str, Optional[str]], codes: dict[str, int], *,
+            signum: Optional[int], wall: float, report: bool) -> int:
+    """The study's exit: after a signal, say what was collected and how to resume (128 + signal, the doc block left
+    as it was: it would show a partial grid); else regenerate the doc's block with ``stalerl-report``, and exit 0
+    unless a run failed (a diverged run exits with an error but is a result, not a failed study)."""
+    from stalerl.core.interrupt import signal_name
+
+    results = Path(spec["results"])
     if signum is not None:
         done = sum(1 for v in statuses.values() if v in ("finished", "diverged"))
-        print(f"study {spec['name']}: interrupted by {signal_name(signum)}: {done} of {len(runs)} runs finished, "
+        print(f"study {spec['name']}: interrupted by {signal_name(signum)}: {done} of {len(grid.runs)} runs finished, "
               f"their summaries collected in {results} (wall time so far {wall / 60:.1f} min); the report was not "
               "updated; the same command resumes (in a fresh checkout at the same commit too: runs whose collected "
               "summary has their config and code are not re-run)", file=sys.stderr)
         return 128 + signum
-    print(f"study {spec['name']}: {len(runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
+    print(f"study {spec['name']}: {len(grid.runs)} runs, wall time {wall / 60:.1f} min; summaries in {results}")
     if report:
-        from stalerl.results.report import main as report_main
+        from stalerl_study.report import main as report_main
 
         code = report_main([str(results), "--update-doc", spec["doc"]])
         if code:
             return code
-    # A diverged run exits with an error but is a result (its summary says so), not a failed study.
     return 0 if all(c == 0 or statuses.get(t) == "diverged" for t, c in codes.items()) else 1
 
 
@@ -490,7 +581,7 @@ def check_power(spec: dict[str, Any], *, out=print) -> None:
     claims = spec.get("claims")
     if not isinstance(claims, dict):
         return
-    from stalerl.results.report_prereg import parse_claims, power_report
+    from stalerl_study.prereg import parse_claims, power_report
 
     n = len(spec.get("registered", spec)["seeds"])
     report = power_report(parse_claims(claims), n)
@@ -508,9 +599,9 @@ def check_power(spec: dict[str, Any], *, out=print) -> None:
 
 def paired_sd(results: str, a: str, b: str, metric: str, metric_b: Optional[str], method_keys: Sequence[str]) -> str:
     """Mean and SD of the per-seed differences a - b in committed summaries (for a later spec's expected_sd)."""
-    from stalerl.results.report import ReportError, group, load_study, load_summaries
-    from stalerl.results.report_metrics import CollapseRule
-    from stalerl.results.report_prereg import ClaimSpecError, paired_values, parse_cell
+    from stalerl_study.report import ReportError, group, load_study, load_summaries
+    from stalerl_study.metrics import CollapseRule
+    from stalerl_study.prereg import ClaimSpecError, paired_values, parse_cell
 
     try:
         meta = load_study([results])
@@ -546,7 +637,7 @@ def set_aside_other_summaries(results: Path, trials: set[str]) -> list[Path]:
 def _label(spec: dict[str, Any], loss: str, overrides: Optional[Sequence[str]]) -> str:
     """The method label a run of ``loss`` with a variant's overrides will report (checked against the config by
     check_settings, so a value written differently from how the summary records it is caught before any run)."""
-    from stalerl.results.report import method_label
+    from stalerl_study.report import method_label
 
     fields = {"loss": loss}
     for o in overrides or []:
@@ -733,9 +824,9 @@ def compare_collected(old_dir: str, new_dir: str, renames: Sequence[str]) -> tup
 
 
 def pilot_decision(results: str, spec_path: str) -> int:
-    """Print the pilot's decision table (stalerl.results.pilot) from its collected summaries."""
-    from stalerl.results.pilot import render_pilot
-    from stalerl.results.report import ReportError, group, load_study, load_summaries
+    """Print the pilot's decision table (stalerl_study.pilot) from its collected summaries."""
+    from stalerl_study.pilot import render_pilot
+    from stalerl_study.report import ReportError, group, load_study, load_summaries
 
     spec = load_spec(spec_path)
     if not isinstance(spec.get("pilot"), dict):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional, Sequence
 
-from stalerl.results.report_stats import Estimate, format_estimate, mean_interval
+from stalerl_study.stats import Estimate, format_estimate, mean_interval
 
 KINDS = ("staleness", "async")
 

@@ -70,9 +70,10 @@ def format_estimate(est: Estimate, digits: int = 3) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ tests that can fail
-# The claims of a study are hypothesis tests with p-values (stalerl.report_prereg), so they can be corrected for
-# multiplicity (Holm) and can come out against. Everything below is plain math (no scipy); tests/unit/test_report_stats
-# compares each function with a literal, slow reference (numerical integration, enumeration).
+# The claims of a study are hypothesis tests with p-values (stalerl_study.prereg), so they can be corrected for
+# multiplicity (Holm) and can come out against. Everything below is plain math (no scipy);
+# tests/unit/test_report_prereg.py compares each function with a literal, slow reference (numerical integration,
+# enumeration).
 
 
 def _betacf(a: float, b: float, x: float) -> float:

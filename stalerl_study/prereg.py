@@ -14,7 +14,7 @@ A spec's ``claims`` mapping (copied into ``study.json``; see examples/math/study
 
 Cells are named ``method @ setting`` (method as the report labels it, setting as the run reports it). Tests, on
 runs that finished or diverged (a diverged run counts with accuracy 0 after it stopped, and as collapsed; see
-:mod:`stalerl.results.report_metrics`):
+:mod:`stalerl_study.metrics`):
 
 - ``greater`` / ``less``: paired by seed (a seed fixes the initial weights, warm start and data order), one-sided
   one-sample t-test of ``metric(a) - metric_b(b)`` against 0.
@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from stalerl.core.errors import refuse_unknown_keys
-from stalerl.results.report_metrics import EVAL_METRICS, OUTCOME_STATUSES, CollapseRule, collapsed, run_metric
-from stalerl.results.report_stats import (equivalence_margin_needed, fisher_greater, format_estimate, holm_adjust,
-                                          mean_interval, minimum_detectable_effect, paired_test, power_equivalence,
-                                          power_one_sided, sign_flip_equivalence_p, sign_flip_p, t_quantile)
+from stalerl_study.metrics import EVAL_METRICS, OUTCOME_STATUSES, CollapseRule, collapsed, run_metric
+from stalerl_study.stats import (equivalence_margin_needed, fisher_greater, format_estimate, holm_adjust,
+                                 mean_interval, minimum_detectable_effect, paired_test, power_equivalence,
+                                 power_one_sided, sign_flip_equivalence_p, sign_flip_p, t_quantile)
 
 TESTS = ("greater", "less", "equivalent", "noninferior", "collapses_more")
 MARGIN_TESTS = ("equivalent", "noninferior")

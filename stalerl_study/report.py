@@ -10,7 +10,7 @@ supplies the study's name, title, expected seeds, row order, command and wall ti
 
 Runs are grouped by method (``--method-keys``, default ``loss``) x setting (``fixed_staleness S`` for the
 synchronous FIFO, AReaL's ``stale S dX+dY rollout R`` for asynchronous runs). Each cell is the mean over finished
-seeds ± the half-width of the two-sided 95% Student-t interval on that mean (see :mod:`stalerl.results.report_stats`);
+seeds ± the half-width of the two-sided 95% Student-t interval on that mean (see :mod:`stalerl_study.stats`);
 one finished seed shows ``(n=1)`` and no interval. Failed runs are listed as failed (never dropped) and expected
 seeds without a summary as missing. Tables lead with held-out eval accuracy.
 
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from stalerl.core.io import atomic_write_bytes, atomic_write_text
-from stalerl.results.report_stats import Estimate, format_estimate, mean_interval
 from stalerl.results.run_summary import SUMMARY_FILE
+from stalerl_study.stats import Estimate, format_estimate, mean_interval
 
 STUDY_FILE = "study.json"
 INTERVAL_NOTE = ("mean over seeds ± half-width of the two-sided 95% Student-t interval on the mean "
@@ -176,8 +176,8 @@ DIGITS = {"staleness.mean": 2, "fractions.m2po/masked_fraction": 4, "fractions.v
 
 
 def _fraction_field(summary: Mapping[str, Any], field: str) -> Optional[float]:
-    if field in ("eval.last3", "eval.auc"):  # from the eval curve (stalerl.results.report_metrics)
-        from stalerl.results.report_metrics import run_metric
+    if field in ("eval.last3", "eval.auc"):  # from the eval curve (stalerl_study.metrics)
+        from stalerl_study.metrics import run_metric
 
         return run_metric(summary, field.split(".", 1)[1])
     if field.startswith("fractions."):  # keys contain '/', not nested
@@ -301,7 +301,7 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
                     machine: Optional[Mapping[str, Any]] = None, figures: Sequence[str] = (),
                     method_keys: Sequence[str] = ("loss",), claims: Optional[Any] = None,
                     pilot: Optional[Mapping[str, Any]] = None) -> str:
-    from stalerl.results.report_prereg import is_prereg, parse_claims
+    from stalerl_study.prereg import is_prereg, parse_claims
 
     claim_set = parse_claims(claims) if is_prereg(claims) else None
     main_columns = PREREG_COLUMNS if claim_set else MAIN_COLUMNS
@@ -320,7 +320,7 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
         lines += [f"{when}{' on ' if when and desc else ''}{desc}."]
     lines += ["", f"Cells: {INTERVAL_NOTE}. Seeds: finished/expected. Method = {', '.join(method_keys)}.", ""]
     if claim_set:
-        from stalerl.results.report_prereg import render_paired_table
+        from stalerl_study.prereg import render_paired_table
 
         lines += [*render_paired_table(cells, claim_set), ""]
     header = ["setting", "method", "seeds", *(h for h, _ in main_columns), "notes"]
@@ -350,15 +350,15 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
         lines += ["", "Adaptive warm start (stops at the first check whose greedy accuracy on held-out training "
                   "problems reaches the target; steps = its cap):", "", *(f"- {w}" for w in ws_lines)]
     if claim_set:
-        from stalerl.results.report_prereg import render_prereg
+        from stalerl_study.prereg import render_prereg
 
         lines += ["", *render_prereg(cells, claim_set)]
     elif claims:
-        from stalerl.results.report_claims import render_claims
+        from stalerl_study.claims import render_claims
 
         lines += ["", *render_claims(cells, claims)]
-    if pilot is not None:  # the pilot's decision rule (stalerl.results.pilot), on no trust region and on-policy only
-        from stalerl.results.pilot import render_pilot
+    if pilot is not None:  # the pilot's decision rule (stalerl_study.pilot), on no trust region and on-policy only
+        from stalerl_study.pilot import render_pilot
 
         lines += ["", "Pilot decision (rule fixed in the spec before the runs; only the stale loss and the on-policy "
                   "runs are read):", "", render_pilot(cells, pilot)]

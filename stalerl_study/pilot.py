@@ -12,7 +12,7 @@ The spec's ``pilot`` mapping states the rule before the pilot runs::
 
 A *regime* is one optimizer variant (the method label minus the loss) x one stale setting. It qualifies when, in
 every pilot seed, the stale loss first prospers (its best eval up to ``collapse.early_end`` is >= ``prosper`` above
-its step-0 eval) and then collapses (``collapse``: stalerl.results.report_metrics.CollapseRule; a diverged run
+its step-0 eval) and then collapses (``collapse``: stalerl_study.metrics.CollapseRule; a diverged run
 collapses), while no on-policy run of the same variant collapses. The study report renders this table in the pilot's
 block (``pilot`` is copied into study.json). The chosen regime is the qualifying one with the smallest staleness,
 then the order of the spec's variants. M2PO, clip and FIPO runs are never read: the regime is chosen without looking
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from stalerl.core.errors import refuse_unknown_keys
-from stalerl.results.report_metrics import CollapseRule, collapsed, eval_curve
+from stalerl_study.metrics import CollapseRule, collapsed, eval_curve
 
 
 def _variant(method: str, loss: str) -> str:

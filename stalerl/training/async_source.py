@@ -1,12 +1,17 @@
-"""Asynchronous RL: X rollout workers generate while Y data-parallel train ranks train ("dX+dY").
+"""The asynchronous rollout source: X rollout workers generate while Y data-parallel train ranks train ("dX+dY").
+
+:class:`AdmissionSource` is the training loop's (:class:`stalerl.training.trainer.Trainer`) source when the launcher
+picks asynchronous rollouts. It owns the worker runtime: the hosting, the rollout workers, the Y - 1 extra train
+ranks (they share its hosting, results queue and failure watch; the loop's update reaches them through
+:meth:`AdmissionSource.update`), the dispatcher thread, weight publishing and evaluations on rollout workers.
 
 Threads of the controller process (which is also train rank 0):
-- the trainer thread (``train``): waits for a batch the staleness manager allows, trains on it with all ranks,
+- the trainer thread (the loop): waits for a batch the staleness manager allows, trains on it with all ranks,
   publishes the new weights, advances the version, logs, evaluates, checkpoints;
 - the dispatcher thread: admits prompt groups while the manager has capacity, hands them to the least loaded
   rollout worker, collects results, and watches every worker process.
 
-Strictness: see :mod:`stalerl.rollout.admission` (a consumed sample is never more than
+Strictness: see :class:`stalerl.training.staleness.StalenessManager` (a consumed sample is never more than
 ``rollout.max_head_offpolicyness`` versions behind; ``consume`` asserts it). Weights are queued to every rollout
 worker before any task admitted at the new version, and are installed between generations (never half-written).
 
@@ -29,14 +34,13 @@ from typing import Any, Optional
 import torch
 
 from stalerl.training.actor import DataParallel
-from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, ExperimentConfig, parse_backend
+from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
 from stalerl.core import interrupt
 from stalerl.core.io import atomic_torch_save
-from stalerl.rollout.admission import StalenessManager
-from stalerl.rollout.batch import concat_batches
+from stalerl.rollout.batch import RolloutBatch, concat_batches
 from stalerl.training.mismatch import fresh_rows
-from stalerl.training.staleness import staleness_stats
-from stalerl.training.trainer import Trainer
+from stalerl.training.sources import EvalPlan, MismatchProbe, RolloutSource, StepTimes
+from stalerl.training.staleness import StalenessManager, staleness_stats
 from stalerl.training.workers.hosting import make_hosting, worker_resources
 from stalerl.training.workers.process import WorkerFailure, WorkerProcess, failure_exit_code
 from stalerl.training.workers.rollout_worker import from_wire, to_wire
@@ -56,10 +60,10 @@ def free_port() -> int:
 
 
 class EvalMergingLogger:
-    """The asynchronous trainer's metrics logger: a step's row is held back while the evaluation of that step runs
+    """The asynchronous source's metrics logger: a step's row is held back while the evaluation of that step runs
     on a rollout worker (training goes on meanwhile), then written with the evaluation merged in; rows behind it
     wait too, so metrics.jsonl keeps one row per step in step order, exactly as the synchronous loop writes it.
-    Held rows are saved with a checkpoint (AsyncTrainer.checkpoint_state), so a resume loses none of them."""
+    Held rows are saved with a checkpoint (AdmissionSource.state_dict), so a resume loses none of them."""
 
     def __init__(self, inner, held=None):
         self.inner = inner
@@ -89,29 +93,42 @@ class EvalMergingLogger:
         self.inner.close()
 
 
-class AsyncTrainer(Trainer):
-    def __init__(self, cfg: ExperimentConfig, *, log=print):
-        super().__init__(cfg, log=log)
-        self.n_rollout = parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
-        train_backend = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES)
+class AdmissionSource(RolloutSource):
+    """Rollouts from worker processes, admitted under rollout.max_head_offpolicyness / max_concurrent_rollouts /
+    queue_size (StalenessManager). Reads ``rollout`` and ``actor`` (backend, dtype, ppo_n_minibatches); ``worker_cfg``
+    is the whole config, handed on: the worker processes build their model and engine from it, worker_resources
+    sizes them by it (torch_threads, actor.device) and host_copy_needed reads its actor.behavior_logp."""
+
+    in_process = False  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
+
+    def __init__(self, rollout: Any, *, worker_cfg: Any, actor_cfg: Any, temperature: float, model: Any,
+                 pad_token_id: int, actor: Any, dataset: Any, total_steps: int, run_dir: Any, probe: MismatchProbe,
+                 eval_plan: EvalPlan, eval_gconfig: Any, eval_batch_size: int, log=print):
+        self.rollout, self.worker_cfg, self.actor_cfg, self.temperature = rollout, worker_cfg, actor_cfg, temperature
+        self.model, self.pad_token_id, self.actor, self.dataset = model, pad_token_id, actor, dataset
+        self.total_steps, self.run_dir, self.probe, self.log = total_steps, run_dir, probe, log
+        self.eval_plan, self.eval_gconfig, self.eval_batch_size = eval_plan, eval_gconfig, eval_batch_size
+        self.version = 0
+        self.n_rollout = parse_backend(rollout.backend, engines=ROLLOUT_ENGINES).dp
+        train_backend = parse_backend(actor_cfg.backend, engines=TRAIN_ENGINES)
         self.n_train = train_backend.dp
         # fsdp:dY, Y > 1: the train ranks shard the model (stalerl.training.fsdp); rank 0 keeps self.model unsharded as the
         # copy it evaluates, publishes and saves. fsdp:d1 has nothing to shard over and runs the plain engine.
         self.fsdp = train_backend.engine == "fsdp" and self.n_train > 1
-        b = cfg.rollout.consumer_batch_size
-        self.manager = StalenessManager(b, cfg.rollout.max_head_offpolicyness,
-                                        cfg.rollout.max_concurrent_rollouts or b, queue_size=cfg.rollout.queue_size)
+        b = rollout.consumer_batch_size
+        self.manager = StalenessManager(b, rollout.max_head_offpolicyness,
+                                        rollout.max_concurrent_rollouts or b, queue_size=rollout.queue_size)
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
-        self.hosting = make_hosting(cfg, self.run_dir / "logs")
+        self.hosting = make_hosting(worker_cfg.scheduler, run_dir / "logs")
         # vLLM rollout workers' weight-sync path (the one their engines choose at start), None for HF workers
         from stalerl.rollout.vllm_engine import host_copy_needed, rollout_worker_weight_sync
 
         self.worker_sync: Optional[tuple[str, str]] = None
-        if cfg.rollout.backend.split(":", 1)[0] == "vllm":
+        if rollout.backend.split(":", 1)[0] == "vllm":
             self.worker_sync = rollout_worker_weight_sync()
-        self.host_copy = host_copy_needed(self.worker_sync and self.worker_sync[0], cfg)
-        if (self.host_copy and cfg.rollout.weight_sync == "shared_memory"
+        self.host_copy = host_copy_needed(self.worker_sync and self.worker_sync[0], worker_cfg)
+        if (self.host_copy and rollout.weight_sync == "shared_memory"
                 and hasattr(self.hosting, "check_shared_memory")):  # nccl alone needs no /dev/shm
             self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
         self.results = self.hosting.results
@@ -137,16 +154,31 @@ class AsyncTrainer(Trainer):
         self.eval_requested: list[int] = []
         self.eval_sent: dict[int, tuple[str, float]] = {}  # version -> (worker role, time sent)
         self.eval_done: dict[int, dict[str, Any]] = {}
+        self.eval_logger: Optional[EvalMergingLogger] = None
+        self._restored_rows: Optional[list] = None
         self._probe_actor = None  # fsdp:dY: an unsharded actor on rank 0's copy for the mismatch probe
         self.nccl_senders: dict[str, Any] = {}  # rollout role -> NCCLWeightSender (vLLM workers, weight sync nccl)
+        self._step: dict[str, Any] = {}  # what next_batch and after_update measured for this step's row
 
-    def _rollout_in_workers(self) -> bool:
-        return True  # rollouts and evaluations come from the workers' engines (the controller's: warm start only)
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> "AdmissionSource":
+        cfg = trainer.cfg
+        return cls(cfg.rollout, worker_cfg=cfg, actor_cfg=cfg.actor, temperature=cfg.gconfig.temperature,
+                   model=trainer.model, pad_token_id=trainer.tokenizer.pad_token_id, actor=trainer.actor,
+                   dataset=trainer.dataset, total_steps=trainer.total_steps, run_dir=trainer.run_dir,
+                   probe=trainer.probe, eval_plan=trainer.eval_plan, eval_gconfig=cfg.eval_gconfig,
+                   eval_batch_size=cfg.valid_dataset.batch_size, log=trainer.log)
 
     # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        start = time.perf_counter()
+        self.start_workers()
+        self.startup_seconds = time.perf_counter() - start
+        self.log(f"{self.n_rollout} rollout + {self.n_train} train workers up in {self.startup_seconds:.1f}s")
+
     def start_workers(self) -> None:
-        total_updates = self.total_steps * self.cfg.actor.ppo_n_minibatches
-        res = worker_resources(self.cfg)
+        total_updates = self.total_steps * self.actor_cfg.ppo_n_minibatches
+        res = worker_resources(self.worker_cfg)
         gpus = self._local_gpu_plan(res)
         self.hosting.reserve("rollout", self.n_rollout, res)
         self.hosting.reserve("train", self.n_train - 1, res)  # rank 0 is this controller
@@ -156,13 +188,13 @@ class AsyncTrainer(Trainer):
             for rank in range(1, self.n_train):
                 self.train_workers.append(self.hosting.spawn(
                     f"train/{rank}", "stalerl.training.workers.train_worker", "TrainWorker",
-                    dict(cfg=self.cfg, rank=rank, world_size=self.n_train, init_method=init_method,
+                    dict(cfg=self.worker_cfg, rank=rank, world_size=self.n_train, init_method=init_method,
                          total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}")))
             group = init_group(0, self.n_train, init_method, timeout_s=300.0, store=store)
             self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",
-                                   dict(cfg=self.cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
+                                   dict(cfg=self.worker_cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
             self.outstanding[w.role] = 0  # first: the dispatcher (already running) reads it for every listed worker
             self.rollout_workers.append(w)
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
@@ -183,7 +215,7 @@ class AsyncTrainer(Trainer):
         device = next(self.model.parameters()).device
         for w in self.rollout_workers:
             info = worker_init_info(self.hosting.host_address(), free_port(),
-                                    self.cfg.rollout.vllm.tensor_parallel_size or 1)
+                                    self.rollout.vllm.tensor_parallel_size or 1)
             sender = NCCLWeightSender(info, device)
             w.call("init_weight_transfer", info)  # the worker joins while this process joins as rank 0
             sender.connect()
@@ -197,7 +229,7 @@ class AsyncTrainer(Trainer):
         roles = [f"train/{r}" for r in range(1, self.n_train)] + [f"rollout/{i}" for i in range(self.n_rollout)]
         have = torch.cuda.device_count()
         if 1 + len(roles) > have:
-            raise RuntimeError(f"actor.backend={self.cfg.actor.backend!r} + rollout.backend={self.cfg.rollout.backend!r} "
+            raise RuntimeError(f"actor.backend={self.actor_cfg.backend!r} + rollout.backend={self.rollout.backend!r} "
                                f"need {1 + len(roles)} GPUs on this machine (one per process), {have} visible")
         return {role: i + 1 for i, role in enumerate(roles)}
 
@@ -230,7 +262,7 @@ class AsyncTrainer(Trainer):
         if self.failure is not None:
             signum = interrupt.stop_requested()
             if signum is not None:  # a signal to the whole job (Slurm, a process group) also reached the workers
-                raise interrupt.stop_now(signum, step=self.step, note="a worker stopped before the step ended: no "
+                raise interrupt.stop_now(signum, step=self.version, note="a worker stopped before the step ended: no "
                                          "final checkpoint (the last one written, if any, is intact)")
             raise self.failure
 
@@ -357,21 +389,20 @@ class AsyncTrainer(Trainer):
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ weights
-    def publish_weights(self) -> float:
-        """Make the current weights (version = self.step) the ones every later task is generated with.
+    def publish_weights(self, version: int) -> float:
+        """Make the current weights (``version``) the ones every later task is generated with.
 
         Sending is lazy and coalesced: a worker gets the newest weights just before its next tasks (see _admit),
         so a busy worker never accumulates a backlog of weight sets, file handles or files. vLLM workers on nccl get
         a snapshot on this GPU, broadcast when sent (plus the host copy only when their HF model recomputes)."""
         start = time.perf_counter()
-        version = self.step
         host = self._host_copy(version) if self.host_copy else None
         if self.nccl_senders:
             from stalerl.rollout.vllm_engine import engine_save_dtype, resolve_dtype
             from stalerl.rollout.vllm_nccl import snapshot_parameters, update_info_for
 
             # in the engine's dtype (what its start-up checkpoint holds): a bf16 engine gets half the bytes
-            engine_dtype = resolve_dtype(self.cfg.rollout.vllm.dtype, self.cfg.actor.dtype, cpu_build=False)
+            engine_dtype = resolve_dtype(self.rollout.vllm.dtype, self.actor_cfg.dtype, cpu_build=False)
             params = snapshot_parameters(self.model, engine_save_dtype(engine_dtype))
             self.latest_weights = (version, "receive_weights", (update_info_for(params), params, host))
         else:
@@ -381,7 +412,7 @@ class AsyncTrainer(Trainer):
 
     def _host_copy(self, version: int) -> tuple[str, Any]:
         """The weights as a state dict a worker can load: (worker method, shared state or file path)."""
-        if self.cfg.rollout.weight_sync == "shared_memory":
+        if self.rollout.weight_sync == "shared_memory":
             return "load_weights", self.hosting.share(self.model.state_dict())
         path = self.run_dir / "weights" / f"v{version}.pt"
         atomic_torch_save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
@@ -410,7 +441,7 @@ class AsyncTrainer(Trainer):
             self.weight_files.pop(version).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ checkpoint
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, loop_state) -> dict[str, Any]:
         actor_state = None
         if self.fsdp:  # a collective: gathered before taking the lock, with every train rank
             for w in self.train_workers:
@@ -419,56 +450,50 @@ class AsyncTrainer(Trainer):
             self._collect_train_replies("actor_state")
         # Evaluations of older versions cannot be re-run after a resume (their weights are gone): wait for them; one
         # of this very step can (the checkpoint holds its weights), so it is re-requested at resume instead.
-        self._wait(lambda: all(v in self.eval_done or v == self.step for v in self.eval_requested),
+        self._wait(lambda: all(v in self.eval_done or v == self.version for v in self.eval_requested),
                    "evaluations of earlier steps before the checkpoint")
-        if getattr(self, "eval_logger", None) is not None:
+        if self.eval_logger is not None:
             self.log_finished_evaluations(self.eval_logger, wait=False)
         with self.cond:
-            state = super().checkpoint_state(actor_state)
-            state["metric_rows_held"] = list(self.eval_logger.held) if getattr(self, "eval_logger", None) else []
-            self.saved_with_held_rows = bool(state["metric_rows_held"])
-            state["manager"] = self.manager.state_dict()
-            state["prompts"] = list(self.prompts)
-            state["dataset"] = self.dataset.state_dict()
+            state = loop_state(actor_state)
+            state.update(self.state_dict())
         return state
 
-    def restore(self, state: dict[str, Any]) -> None:
-        super().restore(state)
+    def state_dict(self) -> dict[str, Any]:
+        """Under self.cond. "fifo" and "tasks_generated" are the synchronous source's keys, kept as they always were
+        in these checkpoints (an empty FIFO, nothing generated in this process)."""
+        state = {"fifo": {"staleness": int(self.rollout.fixed_staleness), "queue": []}, "tasks_generated": 0}
+        state["metric_rows_held"] = list(self.eval_logger.held) if self.eval_logger is not None else []
+        self.saved_with_held_rows = bool(state["metric_rows_held"])
+        state["manager"] = self.manager.state_dict()
+        state["prompts"] = list(self.prompts)
+        state["dataset"] = self.dataset.state_dict()  # again under the lock: the dispatcher draws prompts
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], version: int) -> None:
+        self.version = version
         # Rows held back for an evaluation of the checkpoint's step: written once it is re-run (see wrap_logger)
         self._restored_rows = [(int(step), dict(row)) for step, row in state.get("metric_rows_held", [])]
-        if any(step == self.step for step, _ in self._restored_rows):
-            self.eval_requested = [self.step]
+        if any(step == version for step, _ in self._restored_rows):
+            self.eval_requested = [version]
         self.prompts = deque(state["prompts"])
         self.tasks_to_resubmit = self.manager.load_state_dict(state["manager"])
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict[str, Any]:
-        try:
-            return self._train()
-        except (WorkerFailure, interrupt.RunInterrupted) as exc:
+    # ------------------------------------------------------------------ loop hooks
+    def failure_cause(self, exc: BaseException) -> Optional[BaseException]:
+        if isinstance(exc, (WorkerFailure, interrupt.RunInterrupted)):
             self.interrupted = isinstance(exc, interrupt.RunInterrupted)  # workers need no grace then
-            raise
-        except BaseException as exc:
-            # A dead train rank shows up in rank 0 as a collective error; report the worker's own failure instead.
-            deadline = time.time() + 3.0
-            while self.failure is None and time.time() < deadline:
-                self._check_processes()
-                time.sleep(0.1)
-            if self.failure is not None:
-                raise self.failure from exc
-            raise
-        finally:
-            self.shutdown()
+            return None
+        # A dead train rank shows up in rank 0 as a collective error; report the worker's own failure instead.
+        deadline = time.time() + 3.0
+        while self.failure is None and time.time() < deadline:
+            self._check_processes()
+            time.sleep(0.1)
+        return self.failure
 
-    def _train(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        self.start_workers()
-        self.startup_seconds = time.perf_counter() - start
-        self.log(f"{self.n_rollout} rollout + {self.n_train} train workers up in {self.startup_seconds:.1f}s")
-        return super().train()
-
-    def on_training_start(self) -> None:
+    def on_training_start(self, version: int) -> None:
         """After warm start / restore: every rank and rollout worker gets rank 0's weights."""
+        self.version = version
         if self.n_train > 1:
             for w in self.train_workers:
                 w.call("sync_parameters")
@@ -479,30 +504,30 @@ class AsyncTrainer(Trainer):
                 follows = self.actor.has_pending_optimizer_state
                 for w in self.train_workers:
                     w.call("shard", follows, self.actor.lr_scheduler.state_dict())
-                self.actor.shard(self.cfg.actor.dtype, copy_model=True, optimizer_state_follows=follows)
+                self.actor.shard(self.actor_cfg.dtype, copy_model=True, optimizer_state_follows=follows)
                 self._collect_train_replies("shard")
-            elif self.step > 0:
+            elif version > 0:
                 state = self.actor.state_dict()
                 for w in self.train_workers:
                     w.call("load_actor_state", state)
                 self._collect_train_replies("load_actor_state")
         with self.cond:
-            self.publish_weights()
+            self.publish_weights(version)
             self.weights_published = True
             self._send_evaluations()  # evaluator.at_start, requested before the first weights existed
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, float]:
-        """Non-blocking: the evaluation of the current weights (version = self.step) is queued to a rollout worker
+    def evaluate(self, version: int) -> dict[str, float]:
+        """Non-blocking: the evaluation of the current weights (``version``) is queued to a rollout worker
         right behind those weights and runs there (HF or vLLM engine, the same evaluate_engine and eval_gconfig as
         the synchronous loop's, so the same weights give the same answers); training goes on meanwhile. This step's
         row is held back (EvalMergingLogger) and written with eval/accuracy (or eval/accuracy_subset:
-        Trainer.eval_metrics) once the result arrives; the end of
+        EvalPlan.metrics) once the result arrives; the end of
         training waits for all of them. Returns {} (nothing to add to the row now)."""
         with self.cond:
-            if self.step not in self.eval_requested:
-                self.eval_requested.append(self.step)
+            if version not in self.eval_requested:
+                self.eval_requested.append(version)
             if self.weights_published:
                 self._send_evaluations()
         return {}
@@ -518,16 +543,16 @@ class AsyncTrainer(Trainer):
                                    f"version {None if self.latest_weights is None else self.latest_weights[0]}")
             w = min(self.rollout_workers, key=lambda w: (self.outstanding[w.role], w.role))
             self._send_latest_weights(w)
-            g = self.cfg.eval_gconfig
+            g = self.eval_gconfig
             settings = {k: getattr(g, k) for k in ("n_samples", "max_new_tokens", "temperature", "top_p", "top_k",
                                                    "greedy")}
             # all of them, or evaluator.n_prompts_during_training's subset between the first and the last step
-            w.call("evaluate", version, [(e.question, e.final) for e in self.eval_examples(version)], settings,
-                   self.cfg.valid_dataset.batch_size)
+            w.call("evaluate", version, [(e.question, e.final) for e in self.eval_plan.examples_for(version)],
+                   settings, self.eval_batch_size)
             self.eval_sent[version] = (w.role, time.perf_counter())
 
     def wrap_logger(self, logger):
-        held = getattr(self, "_restored_rows", None) or []
+        held = self._restored_rows or []
         if held and logger.path.is_file():  # rows written after that checkpoint was taken are there already
             from stalerl.results.metrics_log import read_metrics
 
@@ -552,11 +577,11 @@ class AsyncTrainer(Trainer):
                 done[v] = (role, sent, self.eval_done.pop(v))
             pending = set(self.eval_requested)
         for version, (role, sent, res) in sorted(done.items()):
-            logger.merge(version, {**self.eval_metrics(res["accuracy"], version), "eval/seconds": res["seconds"],
+            logger.merge(version, {**self.eval_plan.metrics(res["accuracy"], version), "eval/seconds": res["seconds"],
                                    "eval/latency_s": time.perf_counter() - sent})
-            which = "" if self.eval_is_full(version) else f" on a subset of {len(self.eval_subset)} prompts"
+            which = "" if self.eval_plan.is_full(version) else f" on a subset of {len(self.eval_plan.subset)} prompts"
             self.log(f"eval (step {version}, on {role}, {res['seconds']:.1f}s while training went on to step "
-                     f"{self.step}): accuracy {res['accuracy']:.4g}{which}")
+                     f"{self.version}): accuracy {res['accuracy']:.4g}{which}")
         logger.write_ready(pending)
 
     def _collect_train_replies(self, what: str) -> list:
@@ -565,7 +590,10 @@ class AsyncTrainer(Trainer):
         with self.cond:
             return [self.train_replies.pop(r) for r in roles]
 
-    def train_step(self) -> dict[str, Any]:
+    # ------------------------------------------------------------------ one step
+    def next_batch(self, version: int) -> RolloutBatch:
+        """The batch of ``version``: the oldest finished tasks the manager lets this version consume, once it can."""
+        assert version == self.version == self.manager.version, (version, self.version, self.manager.version)
         t0 = time.perf_counter()
         with self.cond:
             while True:
@@ -583,35 +611,40 @@ class AsyncTrainer(Trainer):
             for k in ("gen_tokens", "gen_seconds", "sync_seconds", "admission_wait_s", "gen_reward_sum",
                       "gen_reward_n"):
                 self.counters[k] = 0 if k in ("gen_tokens", "gen_reward_n") else 0.0
-        wait_s = time.perf_counter() - t0
-        batch = concat_batches([from_wire(t.result) for t in tasks], self.tokenizer.pad_token_id)
-        stale = staleness_stats(batch, self.step)  # per sample; the manager already asserted the bound per task
+        self._step = {"queue_depth": queue_depth, "running": running, "counters": counters,
+                      "wait_s": time.perf_counter() - t0}
+        batch = concat_batches([from_wire(t.result) for t in tasks], self.pad_token_id)
+        stale = staleness_stats(batch, version)  # per sample; the manager already asserted the bound per task
         assert stale["staleness/max"] <= self.manager.max_head_offpolicyness, stale
-        advantages = self.advantages(batch)
-        mismatch = self._probe_fresh(batch)
-        t1 = time.perf_counter()
-        opt0 = self.actor.optimizer_seconds
-        metrics = self.update_actor(batch, advantages)
-        t_train = time.perf_counter() - t1
-        metrics["timing/split/optimizer_s"] = self.actor.optimizer_seconds - opt0  # rank 0's
+        self._step["mismatch"] = self._probe_fresh(batch)  # before the update: these weights generated them
+        return batch
+
+    def after_update(self, version: int) -> None:
         with self.cond:
-            self.step += 1
+            self.version = version
             self.manager.advance()
-            publish_s = self.publish_weights()
+            assert self.manager.version == version, (self.manager.version, version)
+            self._step["publish_s"] = self.publish_weights(version)
             self.cond.notify_all()
+
+    def step_row(self, metrics, batch, stale, batch_metrics, times: StepTimes, version):
+        step, counters = self._step, self._step["counters"]
+        t_train = times.train_s
+        metrics["timing/split/optimizer_s"] = times.optimizer_s  # rank 0's
         metrics.update(stale)
         metrics.update({
-            "rollout/queue_depth": float(queue_depth), "rollout/running": float(running),
-            "timing/wait_for_data_s": wait_s, "timing/train_s": t_train, "timing/weight_publish_s": publish_s,
+            "rollout/queue_depth": float(step["queue_depth"]), "rollout/running": float(step["running"]),
+            "timing/wait_for_data_s": step["wait_s"], "timing/train_s": t_train,
+            "timing/weight_publish_s": step["publish_s"],
             "timing/weight_load_s": counters["sync_seconds"], "timing/admission_wait_s": counters["admission_wait_s"],
-            "timing/step_s": time.perf_counter() - t0,
+            "timing/step_s": time.perf_counter() - times.start,
             "throughput/gen_tokens_per_s": counters["gen_tokens"] / counters["gen_seconds"]
             if counters["gen_seconds"] else 0.0,
             "throughput/train_tokens_per_s": float(batch.attention_mask().sum()) / t_train if t_train else 0.0,
-            "version": float(self.step),
+            "version": float(version),
         })
-        metrics.update(self.batch_metrics(batch))
-        metrics.update(mismatch)
+        metrics.update(batch_metrics)
+        metrics.update(step["mismatch"])
         if counters["gen_reward_n"]:  # samples finished generating since the last step
             metrics["reward/generated"] = counters["gen_reward_sum"] / counters["gen_reward_n"]
         return metrics
@@ -619,36 +652,37 @@ class AsyncTrainer(Trainer):
     def _probe_fresh(self, batch) -> dict[str, float]:
         """stalerl.training.mismatch on the consumed samples the current weights generated (all of step 0's): those
         are fresh, so their log-ratio is the engine mismatch alone. Before the update, on rank 0 only."""
-        self._probe_seconds = 0.0
-        if not self._mismatch_due():
+        self.probe.seconds = 0.0
+        if not self.probe.due(self.version):
             return {}
-        rows = fresh_rows(batch.versions, batch.response_mask, self.step)
+        rows = fresh_rows(batch.versions, batch.response_mask, self.version)
         if not rows:
             return {}
-        self._mismatch_step = self.step
+        self.probe.last_step = self.version
         actor = self.actor
         if self.fsdp:  # the sharded actor's forward is a collective; rank 0's unsharded copy holds the same weights
             if self._probe_actor is None:
                 from stalerl.training.actor import Actor
 
-                self._probe_actor = Actor(self.model, self.cfg.actor, temperature=self.cfg.gconfig.temperature,
+                self._probe_actor = Actor(self.model, self.actor_cfg, temperature=self.temperature,
                                           total_updates=1)
             actor = self._probe_actor
-        out = self.probe_mismatch(actor, batch.select(rows))
-        out["timing/mismatch_probe_s"] = self._probe_seconds
+        out = self.probe.probe(actor, batch.select(rows))
+        out["timing/mismatch_probe_s"] = self.probe.seconds
         return out
 
-    def _can_skip_whole_step(self) -> bool:
+    def can_skip_whole_step(self) -> bool:
         return self.n_train == 1  # with several train ranks every rank joins each optimizer step
 
-    def _update(self, batch, advantages) -> dict[str, float]:
+    def update(self, actor, batch, advantages) -> dict[str, float]:
+        """The loop's update of ``actor`` (rank 0's), with every other train rank taking its share."""
         if self.n_train == 1:
-            return self.actor.update(batch, advantages)
+            return actor.update(batch, advantages)
         # Cut the batch into the global mini-batches first, then give every rank an even share of each, so the
         # optimizer steps are the same whatever the number of ranks.
         rank_rows: list[list[int]] = [[] for _ in range(self.n_train)]
         rank_sizes: list[list[int]] = [[] for _ in range(self.n_train)]
-        for mini in torch.tensor_split(torch.arange(batch.num_rows), self.cfg.actor.ppo_n_minibatches):
+        for mini in torch.tensor_split(torch.arange(batch.num_rows), self.actor_cfg.ppo_n_minibatches):
             for rank, share in enumerate(torch.tensor_split(mini, self.n_train)):
                 rank_rows[rank] += share.tolist()
                 rank_sizes[rank].append(int(share.numel()))
@@ -657,10 +691,10 @@ class AsyncTrainer(Trainer):
             w.call("update", to_wire(sub.state()), advantages[rank_rows[rank], :sub.response_ids.shape[1]].numpy(),
                    rank_sizes[rank])
         own = batch.select(rank_rows[0])
-        metrics = self.actor.update(own, advantages[rank_rows[0], :own.response_ids.shape[1]],
-                                    minibatch_sizes=rank_sizes[0])
+        metrics = actor.update(own, advantages[rank_rows[0], :own.response_ids.shape[1]],
+                               minibatch_sizes=rank_sizes[0])
         if self.fsdp:  # every rank joins the gather; rank 0's unsharded copy gets the new weights to publish
             with torch.no_grad():
-                self.model.load_state_dict(self.actor.full_model_state())
+                self.model.load_state_dict(actor.full_model_state())
         self._collect_train_replies("update")
         return metrics

@@ -1,0 +1,322 @@
+"""A policy loss declares itself once: its parameters, what its step needs, and how its metrics combine.
+
+Torch-free, so that a config can be validated (and a ``--help`` printed) without importing torch. Every surface
+that names a loss parameter is generated from its :class:`LossDeclaration`:
+
+- the runtime's ``actor.<param>`` config fields (``stalerl/config/schema.py``) and the dict the actor hands the loss;
+- verl's ``PolicyLossConfig`` subclass, TRL's ``GRPOConfig`` fields, ms-swift's arguments, AReaL's actor config,
+  Trinity-RFT's policy-loss class (``recipe/<framework>/``);
+- the run summary's diagnostic metrics and the step's metric reduction (:func:`reduce_metrics`).
+
+A loss function receives the typed parameter object :meth:`LossDeclaration.read` builds from whatever config its
+caller passes (verl's ``policy_loss.<name>`` first, then ``<name>``); an adapter that names a parameter differently
+maps it at its edge with :attr:`Param.names`. One name, one default, one validation (:meth:`Param.check` and the
+declaration's cross-parameter ``rules``).
+
+Adding a loss: ``docs/adding-a-loss.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+#: What one optimizer step of a loss needs before its first micro-batch's loss call.
+STEP_NEEDS = ("nothing", "batch_selector", "row_selector")
+#: How a metric of several micro-batches (or ranks) combines into the step's value.
+COMBINE = ("mean", "sum", "max")
+#: The frameworks whose surfaces are generated from a declaration.
+FRAMEWORKS = ("stalerl", "verl", "trl", "swift", "areal", "trinity")
+#: The counts every caller knows per micro-batch, by which a ``mean`` metric may be weighted.
+CALLER_WEIGHTS = ("valid_tokens", "rows")
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a loss: its name, default, bounds, help, and the names each framework uses.
+
+    ``names``: a framework's name for the key where it differs from ``name`` (an alias lives here, at the adapter's
+    edge, never in the loss). ``defaults``: a framework whose default must differ, with the reason in ``help``.
+    ``step_scope``: the parameter chooses the scope of the step's planner (M2PO's ``m2_scope``); a call inside a
+    planned step sees :attr:`planned_value`.
+    """
+
+    name: str
+    default: Any
+    help: str
+    kind: type = float
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    choices: Optional[tuple] = None
+    names: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    step_scope: bool = False
+    planned_value: Any = None
+
+    def name_in(self, framework: str) -> str:
+        return self.names.get(framework, self.name)
+
+    def default_in(self, framework: str) -> Any:
+        return self.defaults.get(framework, self.default)
+
+    def metadata(self) -> dict[str, Any]:
+        """``dataclasses.field`` metadata: help, choices and bounds (the runtime's and HF's argument parsers)."""
+        out: dict[str, Any] = {"help": self.help}
+        if self.choices is not None:
+            out["choices"] = tuple(self.choices)
+        for key in ("ge", "gt", "le"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def bounds_text(self) -> str:
+        parts = [f"{op} {getattr(self, key)}" for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
+                 if getattr(self, key) is not None]
+        return " and ".join(parts)
+
+    def check(self, value: Any, key: Optional[str] = None, *, framework: str = "stalerl") -> Any:
+        """``value`` normalised to :attr:`kind`, or ValueError naming ``key``, what was expected and the fix (the
+        ``framework``'s default)."""
+        key = key or self.name
+        default = self.default_in(framework)
+        fix = f"Fix: set {key}={default!r}" if not isinstance(default, bool) else \
+            f"Fix: set {key}={str(default).lower()}"
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r} ({type(value).__name__}). {fix}.")
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or (self.choices is not None and value not in self.choices):
+                expected = f"one of {', '.join(self.choices)}" if self.choices is not None else "a string"
+                raise ValueError(f"{key} must be {expected}, got {value!r}. {fix}.")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: "0.04" is a typo'd config
+            raise ValueError(f"{key} must be a number, got {value!r} ({type(value).__name__}). {fix}.")
+        number = self.kind(value)
+        if not math.isfinite(float(number)):
+            raise ValueError(f"{key} must be finite, got {value!r}. {fix}.")
+        if (self.ge is not None and number < self.ge) or (self.gt is not None and number <= self.gt) or \
+                (self.le is not None and number > self.le):
+            raise ValueError(f"{key} must be {self.bounds_text()}, got {value!r}. {fix}.")
+        return number
+
+
+def param(name: str, default: Any, help: str, **kw: Any) -> Param:
+    """A :class:`Param`; its ``kind`` is the default's type unless given."""
+    kw.setdefault("kind", type(default) if not isinstance(default, int) or isinstance(default, bool) else float)
+    return Param(name=name, default=default, help=help, **kw)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How one metric combines over the step's micro-batches and ranks.
+
+    ``mean``: weighted by ``weight`` per part: a caller's count (``valid_tokens``, ``rows``) or another metric of the
+    same loss (a count such as ``fipo/num_kept_tokens``); a fraction of that count combines exactly. ``sum``: counts.
+    ``max``: maxima.
+    """
+
+    combine: str = "mean"
+    weight: str = "valid_tokens"
+
+    def __post_init__(self) -> None:
+        if self.combine not in COMBINE:
+            raise ValueError(f"Metric.combine must be one of {', '.join(COMBINE)}, got {self.combine!r}")
+
+
+MEAN = Metric("mean")
+SUM = Metric("sum")
+MAX = Metric("max")
+
+
+def mean_over(weight: str) -> Metric:
+    return Metric("mean", weight)
+
+
+# A cross-parameter rule: (the loss's parameter values, the PPO clip (eps_low, eps_high)) -> [(param, problem)].
+Rule = Callable[[Mapping[str, Any], tuple[float, float]], list[tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class LossDeclaration:
+    """Everything about a loss that is not its arithmetic. See the module docstring and docs/adding-a-loss.md.
+
+    - ``params``: the loss's own parameters (the PPO clip is the framework's: ``uses_ppo_clip``).
+    - ``step``: ``nothing`` (the step needs only its token count), ``batch_selector`` (one decision over the whole
+      step: M2PO) or ``row_selector`` (one decision per row: FIPO); the function is registered beside the loss.
+    - ``metrics``: every key the loss (and its selector) reports, with its :class:`Metric` rule.
+    - ``diagnostics``: the metrics a run summary keeps for this loss (without the ``actor/`` prefix).
+    - ``rules``: cross-parameter checks, run by every surface before the first update.
+    - ``framework_names``: the loss's name in a framework's registry where it differs (verl: ``stalerl_vanilla``).
+    """
+
+    name: str
+    summary: str
+    params: tuple[Param, ...] = ()
+    step: str = "nothing"
+    metrics: Mapping[str, Metric] = field(default_factory=dict)
+    diagnostics: tuple[str, ...] = ()
+    uses_ppo_clip: bool = False
+    rules: tuple[Rule, ...] = ()
+    framework_names: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"LossDeclaration.name must be a non-empty string, got {self.name!r}")
+        if self.step not in STEP_NEEDS:
+            raise ValueError(f"loss {self.name!r}: step must be one of {', '.join(STEP_NEEDS)}, got {self.step!r}")
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"loss {self.name!r}: parameter names repeat: {names}")
+        for key in self.diagnostics:
+            if key not in self.metrics:
+                raise ValueError(f"loss {self.name!r}: diagnostic {key!r} is not one of its declared metrics")
+        for key, rule in self.metrics.items():
+            if rule.combine == "mean" and rule.weight not in CALLER_WEIGHTS and rule.weight not in self.metrics:
+                raise ValueError(f"loss {self.name!r}: metric {key!r} is weighted by {rule.weight!r}, which is "
+                                 f"neither a caller's count ({', '.join(CALLER_WEIGHTS)}) nor one of its metrics")
+        object.__setattr__(self, "_params_cls", make_dataclass(
+            _class_name(self.name), [(p.name, p.kind, field(default=p.default)) for p in self.params], frozen=True))
+
+    # ------------------------------------------------------------------ parameters
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"loss {self.name!r} has no parameter {name!r}")
+
+    def name_in(self, framework: str) -> str:
+        return self.framework_names.get(framework, self.name)
+
+    def defaults(self, framework: str = "stalerl") -> dict[str, Any]:
+        return {p.name: p.default_in(framework) for p in self.params}
+
+    def read(self, config: Any, *, clip: Optional[tuple[float, float]] = None, where: str = "",
+             framework: str = "stalerl") -> Any:
+        """The typed parameter object from ``config`` (dict, dataclass, DictConfig, object or None): each parameter
+        from ``policy_loss.<name>`` (verl), else ``<name>``, else its default; checked, and the rules run when the
+        PPO ``clip`` (eps_low, eps_high) is given. ``where`` prefixes the key in messages (``actor.``);
+        ``framework`` picks the defaults (``loss_call``: a loss called outside a planned step)."""
+        values = {}
+        for p in self.params:
+            value, path = _lookup(config, (f"policy_loss.{p.name}", p.name))
+            values[p.name] = p.default_in(framework) if value is _MISSING else p.check(value, f"{where}{path}")
+        if clip is not None:
+            self.raise_problems(values, clip, where=where)
+        return self._params_cls(**values)  # type: ignore[attr-defined]
+
+    def problems(self, values: Mapping[str, Any], clip: tuple[float, float] = (0.2, 0.2)) -> list[tuple[str, str]]:
+        """(parameter, problem) pairs from the cross-parameter rules; each problem names the fix."""
+        return [problem for rule in self.rules for problem in rule(values, clip)]
+
+    def raise_problems(self, values: Mapping[str, Any], clip: tuple[float, float], *, where: str = "") -> None:
+        problems = self.problems(values, clip)
+        if problems:
+            raise ValueError("; ".join(f"{where}{key} {msg}" for key, msg in problems))
+
+    # ------------------------------------------------------------------ metrics
+    def metric_rules(self) -> dict[str, Metric]:
+        return dict(self.metrics)
+
+
+def _class_name(loss: str) -> str:
+    return "".join(part.capitalize() for part in loss.replace("-", "_").split("_")) + "Params"
+
+
+def _get(config: Any, key: str) -> Any:
+    if config is None:
+        return _MISSING
+    if isinstance(config, Mapping):
+        value = config.get(key, _MISSING)
+    else:
+        try:
+            value = getattr(config, key)
+        except (AttributeError, KeyError):
+            try:
+                getter = getattr(config, "get", None)
+            except (AttributeError, KeyError):  # a __getattr__ that raises KeyError for "get" too
+                getter = None
+            try:
+                value = getter(key, _MISSING) if callable(getter) else _MISSING
+            except Exception:  # noqa: BLE001 - strict configs may raise on unknown keys
+                value = _MISSING
+    return _MISSING if value is None else value
+
+
+def _lookup(config: Any, paths: Sequence[str]) -> tuple[Any, str]:
+    for path in paths:
+        node = config
+        for part in path.split("."):
+            node = _get(node, part)
+            if node is _MISSING:
+                break
+        if node is not _MISSING:
+            return node, path
+    return _MISSING, paths[-1]
+
+
+def reduce_metrics(parts: Sequence[tuple[Mapping[str, float], Mapping[str, float]]],
+                   rules: Mapping[str, Metric]) -> dict[str, float]:
+    """One value per key from the metrics of a step's parts (micro-batches, ranks): ``parts = [(counts, metrics)]``
+    with ``counts`` the caller's ``valid_tokens`` and ``rows`` of that part.
+
+    A declared key combines by its rule. An undeclared key (a loss registered without declaring it) follows the
+    naming convention: ``*_max`` the max, ``num_*`` the sum, else the mean weighted by valid tokens. A mean whose
+    weights are all zero is the plain mean.
+    """
+    keys = sorted(set().union(*(m for _, m in parts))) if parts else []
+    out: dict[str, float] = {}
+    for key in keys:
+        rule = rule_for(key, rules)
+        vals = [(counts, m) for counts, m in parts if key in m]
+        if rule.combine == "max":
+            out[key] = max(m[key] for _, m in vals)
+        elif rule.combine == "sum":
+            out[key] = sum(m[key] for _, m in vals)
+        else:
+            weights = [float(counts[rule.weight]) if rule.weight in counts else float(m.get(rule.weight, 0.0))
+                       for counts, m in vals]
+            total = sum(weights)
+            out[key] = (sum(w * m[key] for w, (_, m) in zip(weights, vals)) / total if total > 0
+                        else sum(m[key] for _, m in vals) / len(vals))
+    return out
+
+
+def rule_for(key: str, rules: Mapping[str, Metric]) -> Metric:
+    """The rule of metric ``key``: its declared one, else the naming convention (``*_max`` max, ``num_*`` sum,
+    else the valid-token-weighted mean)."""
+    return rules.get(key) or _conventional_rule(key)
+
+
+def _conventional_rule(key: str) -> Metric:
+    leaf = key.rsplit("/", 1)[-1]
+    if leaf.endswith("_max"):
+        return MAX
+    if leaf.startswith("num_"):
+        return SUM
+    return MEAN
+
+
+def lazy_attributes(package: str, module: str = "algorithm") -> Callable[[str], Any]:
+    """A package's ``__getattr__`` (PEP 562) that serves attributes from ``<package>.<module>`` on first use: the
+    loss packages stay torch-free on import (their declaration), and the arithmetic loads, and registers, on
+    demand."""
+
+    def __getattr__(name: str) -> Any:
+        target = importlib.import_module(f"{package}.{module}")
+        try:
+            return getattr(target, name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__
+
+
+__all__ = ["CALLER_WEIGHTS", "COMBINE", "FRAMEWORKS", "LossDeclaration", "MAX", "MEAN", "Metric", "Param",
+           "STEP_NEEDS", "SUM", "lazy_attributes", "mean_over", "param",
+           "reduce_metrics", "rule_for"]

@@ -1,0 +1,131 @@
+"""recipe/declaration.py: a loss declares its parameters, step needs and metric rules once, and every built-in loss's
+declaration says exactly what the loss does (its metric keys, its selector, its parameters' defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.declaration import MAX, MEAN, SUM, LossDeclaration, Metric, mean_over, param, reduce_metrics
+from recipe.registry import (BUILTIN_POLICY_LOSSES, declarations, get_declaration, get_policy_loss_spec,
+                             registered_policy_losses)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_param_check_is_the_one_validation():
+    tau = param("m2_threshold", 0.04, ge=0.0, help="h")
+    assert tau.check(0) == 0.0 and isinstance(tau.check(0), float)
+    with pytest.raises(ValueError, match="must be a number, got '0.5' \\(str\\)"):
+        tau.check("0.5")
+    with pytest.raises(ValueError, match=r"^actor\.m2_threshold must be >= 0\.0, got -1\. Fix: set "
+                                         r"actor\.m2_threshold=0\.04\.$"):
+        tau.check(-1, "actor.m2_threshold")
+    with pytest.raises(ValueError, match="must be finite"):
+        tau.check(float("nan"))
+    with pytest.raises(ValueError, match="must be a number, got True"):
+        tau.check(True)
+    flag = param("on", True, help="h")
+    assert flag.kind is bool and flag.check(False) is False
+    with pytest.raises(ValueError, match="on must be true or false, got 'yes'.*Fix: set on=true"):
+        flag.check("yes")
+    scope = param("scope", "a", choices=("a", "b"), help="h")
+    with pytest.raises(ValueError, match="scope must be one of a, b, got 'c'"):
+        scope.check("c")
+
+
+def test_read_is_typed_prefers_verls_policy_loss_and_runs_the_rules():
+    decl = LossDeclaration(name="toy", summary="s", params=(param("k", 1.0, gt=0.0, help="h"),
+                                                             param("s", "x", choices=("x", "y"), help="h",
+                                                                   defaults={"loss_call": "y"})),
+                           rules=(lambda v, clip: [("k", f"must be < 1 + {clip[1]}")] if v["k"] >= 1 + clip[1]
+                                  else [],))
+    p = decl.read({"k": 0.5, "policy_loss": {"k": 0.25}})
+    assert (p.k, p.s) == (0.25, "x") and dataclasses.is_dataclass(p) and type(p).__name__ == "ToyParams"
+    assert decl.read(None, framework="loss_call").s == "y"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.k = 2.0
+    with pytest.raises(ValueError, match=r"^actor\.k must be < 1 \+ 0\.2$"):
+        decl.read({"k": 3.0}, clip=(0.2, 0.2), where="actor.")
+    with pytest.raises(ValueError, match=r"policy_loss\.k must be > 0\.0"):
+        decl.read({"policy_loss": {"k": 0}})
+
+
+def test_a_declaration_refuses_what_it_cannot_mean():
+    with pytest.raises(ValueError, match="step must be one of"):
+        LossDeclaration(name="x", summary="s", step="sometimes")
+    with pytest.raises(ValueError, match="repeat"):
+        LossDeclaration(name="x", summary="s", params=(param("a", 1.0, help="h"), param("a", 2.0, help="h")))
+    with pytest.raises(ValueError, match="diagnostic 'x/b' is not one of its declared metrics"):
+        LossDeclaration(name="x", summary="s", metrics={"x/a": MEAN}, diagnostics=("x/b",))
+    with pytest.raises(ValueError, match="weighted by 'x/n'"):
+        LossDeclaration(name="x", summary="s", metrics={"x/a": mean_over("x/n")})
+    with pytest.raises(ValueError, match="combine"):
+        Metric("median")
+
+
+def test_reduce_metrics_pools_a_fraction_of_a_loss_count_exactly():
+    parts = [({"valid_tokens": 10.0, "rows": 2.0}, {"f/frac": 0.5, "f/n": 2.0, "f/m": 1.0, "f/rows_frac": 0.5}),
+             ({"valid_tokens": 30.0, "rows": 6.0}, {"f/frac": 0.25, "f/n": 8.0, "f/m": 4.0, "f/rows_frac": 0.0})]
+    rules = {"f/frac": mean_over("f/n"), "f/n": SUM, "f/m": MAX, "f/rows_frac": mean_over("rows")}
+    assert reduce_metrics(parts, rules) == {"f/frac": (0.5 * 2 + 0.25 * 8) / 10, "f/n": 10.0, "f/m": 4.0,
+                                            "f/rows_frac": 1.0 / 8}
+
+
+def _random_call(name: str, seed: int = 0, **extra):
+    g = torch.Generator().manual_seed(seed)
+    shape = (6, 9)
+    old = -torch.rand(shape, generator=g) * 2
+    new = old + 0.8 * torch.randn(shape, generator=g)
+    adv = torch.randn(shape, generator=g)
+    mask = torch.rand(shape, generator=g) > 0.2
+    return get_policy_loss_spec(name).fn(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+                                         loss_agg_mode="token-mean", config={"m2_threshold": 0.04, **extra},
+                                         rollout_is_weights=None)
+
+
+@pytest.mark.parametrize("name", BUILTIN_POLICY_LOSSES)
+def test_each_builtin_declares_exactly_the_metrics_its_loss_reports(name):
+    _, metrics = _random_call(name)
+    decl = get_declaration(name)
+    assert set(metrics) == set(decl.metrics), (set(metrics) ^ set(decl.metrics))
+    spec = get_policy_loss_spec(name)
+    assert spec.declaration is decl
+    assert decl.step == ("batch_selector" if spec.batch_selector else "row_selector" if spec.row_selector
+                         else "nothing")
+
+
+def test_builtin_names_are_the_registered_ones_and_shared_parameters_are_one_declaration():
+    assert set(BUILTIN_POLICY_LOSSES) <= set(registered_policy_losses())
+    decls = declarations()
+    assert decls["m2po"].params is decls["m2po_authors"].params
+    by_name = {}
+    for decl in decls.values():
+        for p in decl.params:
+            assert by_name.setdefault(p.name, p) == p
+
+
+def test_runtime_config_fields_are_generated_from_the_declarations():
+    from stalerl.config.schema import ActorConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ActorConfig)}
+    for decl in declarations().values():
+        for p in decl.params:
+            f = fields[p.name]
+            assert f.default == p.default_in("stalerl") and f.metadata == p.metadata(), p.name
+    assert fields["m2_threshold"].default == 0.04 and fields["m2_scope"].default == "dp_group"
+
+
+def test_declarations_load_without_torch():
+    code = ("import sys\nfrom recipe.registry import declarations\nfrom stalerl.config import load_config\n"
+            "d = declarations()\nload_config(['--config', 'examples/math/gsm8k_m2po_cpu.yaml', 'actor.loss=fipo',"
+            " 'rollout.fixed_staleness=2'])\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nprint(sorted(d))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "m2po" in res.stdout
