@@ -27,8 +27,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 STEP_NEEDS = ("nothing", "batch_selector", "row_selector")
 #: How a metric of several micro-batches (or ranks) combines into the step's value.
 COMBINE = ("mean", "sum", "max")
-#: The frameworks whose surfaces are generated from a declaration.
-FRAMEWORKS = ("stalerl", "verl", "trl", "swift", "areal", "trinity")
 #: The counts every caller knows per micro-batch, by which a ``mean`` metric may be weighted.
 CALLER_WEIGHTS = ("valid_tokens", "rows")
 
@@ -219,10 +217,6 @@ class LossDeclaration:
         if problems:
             raise ValueError("; ".join(f"{where}{key} {msg}" for key, msg in problems))
 
-    # ------------------------------------------------------------------ metrics
-    def metric_rules(self) -> dict[str, Metric]:
-        return dict(self.metrics)
-
 
 def _class_name(loss: str) -> str:
     return "".join(part.capitalize() for part in loss.replace("-", "_").split("_")) + "Params"
@@ -317,6 +311,6 @@ def lazy_attributes(package: str, module: str = "algorithm") -> Callable[[str], 
     return __getattr__
 
 
-__all__ = ["CALLER_WEIGHTS", "COMBINE", "FRAMEWORKS", "LossDeclaration", "MAX", "MEAN", "Metric", "Param",
+__all__ = ["CALLER_WEIGHTS", "COMBINE", "LossDeclaration", "MAX", "MEAN", "Metric", "Param",
            "STEP_NEEDS", "SUM", "lazy_attributes", "mean_over", "param",
            "reduce_metrics", "rule_for"]

@@ -267,50 +267,6 @@ def fipo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch
                        metrics=dict(zip(METRIC_KEYS, values)))
 
 
-#: What each ``fipo/*`` fraction is a fraction of, for pooling a step's micro-batches and ranks (summed numerators
-#: over summed denominators): the valid tokens, the tokens that enter the loss (valid, not in a dropped row), rows.
-METRIC_DENOMINATORS = {key: {"fipo/num_kept_tokens": "kept_tokens"}.get(DECLARATION.metrics[key].weight,
-                                                                      DECLARATION.metrics[key].weight)
-                       for key in FRACTION_KEYS}
-
-
-@dataclass
-class FIPOMetricParts:
-    """One batch's ``fipo/*`` metrics as numerators and denominators (floats), so that a step split over
-    micro-batches or ranks pools them exactly: ``sum(numerators[k]) / sum(denominators[METRIC_DENOMINATORS[k]])``."""
-
-    numerators: dict[str, float]
-    denominators: dict[str, float]  # valid_tokens, kept_tokens, rows
-    dropped_rows: torch.Tensor  # (B,) bool, this batch's sequence drop
-
-    def fractions(self) -> dict[str, float]:
-        return {k: num / max(self.denominators[METRIC_DENOMINATORS[k]], 1.0) for k, num in self.numerators.items()}
-
-
-@torch.no_grad()
-def fipo_metric_parts(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                      params: FIPOParams) -> FIPOMetricParts:
-    """The numerators and denominators behind :data:`METRIC_KEYS` for one batch of whole rows, computed by the
-    loss's own functions (so ``fractions()`` equals the loss's metrics on the same batch). One host sync."""
-    future_kl, w, loss_mask, dropped, _, _ = _fipo_weight_tensors(log_ratio, advantages, valid, params)
-    d, adv = _clamped_inputs(log_ratio, advantages, valid)
-    _, clipped, dual = _surrogate(d, adv, w, params)
-    lower, upper = params.weight_bounds()
-    zero = torch.zeros((), device=valid.device)
-    parts = torch.stack([
-        torch.where(valid, torch.exp(future_kl.clamp(max=RAW_METRIC_LOG_CLAMP)), torch.zeros_like(w)).sum(),
-        (valid & (w >= upper)).sum().float(),
-        (valid & (w <= lower)).sum().float() if lower is not None else zero,
-        dropped.float().sum(),
-        (clipped & loss_mask).sum().float(),
-        (dual & loss_mask).sum().float(),
-        valid.sum().float(), loss_mask.sum().float(), torch.tensor(float(dropped.numel()), device=valid.device),
-    ]).tolist()
-    return FIPOMetricParts(numerators=dict(zip(FRACTION_KEYS, parts[:6])),
-                           denominators={"valid_tokens": parts[6], "kept_tokens": parts[7], "rows": parts[8]},
-                           dropped_rows=dropped)
-
-
 def fipo_per_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                         params: FIPOParams) -> torch.Tensor:
     """The dual-clip PPO surrogate on the reweighted advantage A * w (w detached), per token, with grad."""
@@ -467,9 +423,9 @@ def compute_policy_loss_fipo(
     return loss, dict(zip(METRIC_KEYS, values[:-1]))
 
 
-__all__ = ["FRACTION_KEYS", "METRIC_DENOMINATORS", "METRIC_KEYS", "FIPOMetricParts", "FIPOParams", "FIPOWeights",
+__all__ = ["FRACTION_KEYS", "METRIC_KEYS", "FIPOParams", "FIPOWeights",
            "compute_policy_loss_fipo", "discounted_future_sum",
-           "fipo_metric_parts", "fipo_params_from_config", "fipo_per_token_loss", "fipo_row_selector", "fipo_weights"]
+           "fipo_params_from_config", "fipo_per_token_loss", "fipo_row_selector", "fipo_weights"]
 
 
 # Registration: the loss under its declaration (recipe/fipo/declaration.py), with what its step needs.
