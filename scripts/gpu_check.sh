@@ -26,7 +26,9 @@
 # else to a new temp dir named at the start and the end; models, assets and checkpoints go to a scratch dir that is
 # removed at the end (STALERL_CHECK_KEEP_WORK=1 keeps it).
 #
-#   bash scripts/gpu_check.sh [--budget SECONDS] [--out DIR]     # on the GPU machine (prepare .whl/ here first)
+#   bash scripts/gpu_check.sh [--budget SECONDS] [--out DIR] [--parts a,b]   # on the GPU machine (.whl/ prepared here)
+#   --parts numerics,real_model,real_scale,bench,smoke: run only these (the environment always runs; the others are
+#   listed as "not selected", which does not make the verdict INCOMPLETE), e.g. one part again in a short slot.
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh             # CPU dry mode: the same parts at tiny sizes
 # Exit code: 0 every part that ran passed, 1 a part failed, 3 nothing failed but a part was cut by its slice or a
 # required part was skipped for the budget (the report's verdict: PASS, FAIL, INCOMPLETE).
@@ -36,7 +38,8 @@
 #      from $STALERL_CACHE/models), STALERL_REQUIRE_REAL_MODEL=1 (no GGUF is a failure, not a skip),
 #      STALERL_CHECK_REPORT (also copy the report there), STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1
 #      (install every wheel even where the image has the module), STALERL_CHECK_NO_PIP=1 (unpack instead of pip),
-#      STALERL_CHECK_KEEP_WORK=1, PYTHON (python3).
+#      STALERL_CHECK_KEEP_WORK=1, STALERL_CHECK_PARTS (= --parts), PYTHON (python3); PYTORCH_CUDA_ALLOC_CONF is passed
+#      through and recorded in the report's environment.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,17 +47,25 @@ PY="${PYTHON:-python3}"
 DEVICE="${STALERL_SMOKE_DEVICE:-cuda}"
 BUDGET="${STALERL_CHECK_BUDGET_S:-420}"
 OUT_DIR="${OUT:-}"
+SELECTED="${STALERL_CHECK_PARTS:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET="$2"; shift 2 ;;
     --budget=*) BUDGET="${1#*=}"; shift ;;
     --out) OUT_DIR="$2"; shift 2 ;;
     --out=*) OUT_DIR="${1#*=}"; shift ;;
+    --parts) SELECTED="$2"; shift 2 ;;
+    --parts=*) SELECTED="${1#*=}"; shift ;;
     -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu_check: unknown argument $1 (--budget SECONDS, --out DIR)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown argument $1 (--budget SECONDS, --out DIR, --parts a,b)" >&2; exit 2 ;;
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: the budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+for p in ${SELECTED//,/ }; do  # before anything is made: a typo must not spend a GPU slot
+  case " numerics real_model real_scale bench smoke " in *" $p "*) ;; *) echo "gpu_check: --parts: unknown part \
+'$p'; expected a comma-separated subset of numerics,real_model,real_scale,bench,smoke (the environment always runs)" >&2
+    exit 2 ;; esac
+done
 START=$SECONDS
 OUT_NOTE=""
 if [ -z "$OUT_DIR" ]; then
@@ -88,6 +99,8 @@ else
 fi
 ORDER=(numerics real_model real_scale bench smoke)
 declare -A OPTIONAL=([smoke]=1)
+selected() { [ -z "$SELECTED" ] || [[ ",$SELECTED," == *",$1,"* ]]; }
+NOT_SELECTED="not selected (--parts $SELECTED)"
 
 now() { echo $((SECONDS - START)); }
 atleast1() { if [ "$1" -lt 1 ]; then echo 1; else echo "$1"; fi; }  # timeout 0 would mean no limit
@@ -95,7 +108,7 @@ left() { echo $((BUDGET - RESERVE - (SECONDS - START))); }
 reserved_after() {  # the minimum slices of the non-optional parts after $1
   local seen=0 sum=0 p
   for p in "${ORDER[@]}"; do
-    if [ "$seen" = 1 ] && [ -z "${OPTIONAL[$p]:-}" ]; then sum=$((sum + PMIN[$p])); fi
+    if [ "$seen" = 1 ] && [ -z "${OPTIONAL[$p]:-}" ] && selected "$p"; then sum=$((sum + PMIN[$p])); fi
     [ "$p" = "$1" ] && seen=1
   done
   echo "$sum"
@@ -103,6 +116,7 @@ reserved_after() {  # the minimum slices of the non-optional parts after $1
 SLICE=0
 plan() {  # plan NAME: sets SLICE (0: skipped for the budget, recorded)
   local name="$1" avail
+  if ! selected "$name"; then record "$name" skipped 0 0 "$NOT_SELECTED"; SLICE=0; return; fi
   avail=$(( $(left) - $(reserved_after "$name") ))
   [ "$avail" -lt 0 ] && avail=0
   SLICE=$(( avail < PCAP[$name] ? avail : PCAP[$name] ))
@@ -217,7 +231,7 @@ PYEOF
   export PYTHONPATH="$WORK/pydeps:$PYTHONPATH"
   if [ "$ENV_OK" = 1 ]; then
     timeout -k 5 "$(atleast1 $(( $(left) < 60 ? $(left) : 60 )))" "$PY" - "$DEVICE" "$OUT_DIR/parts/environment.json" <<'PYEOF'
-import importlib.util, json, platform, sys
+import importlib.util, json, os, platform, sys
 missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "yaml", "tqdm", "omegaconf")
            if importlib.util.find_spec(m) is None]
 if missing:
@@ -225,6 +239,7 @@ if missing:
              "come with transformers)")
 import omegaconf, torch, transformers
 env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
        "transformers": transformers.__version__, "omegaconf": omegaconf.__version__,
        "model_converter": {m: importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate")},
        "vllm": importlib.util.find_spec("vllm") is not None, "gpus": []}
@@ -258,6 +273,8 @@ FETCH_PID=""
 FETCH_SKIP=""
 if [ "$ENV_OK" != 1 ]; then
   FETCH_SKIP="the environment failed"
+elif ! selected real_model; then
+  FETCH_SKIP="$NOT_SELECTED"
 elif [ ! -f "$GGUF_DIR/$GGUF_NAME" ]; then
   FETCH_SKIP="no $GGUF_NAME in $GGUF_DIR (carry ../shared/models or set STALERL_MODEL_GGUF_DIR)"
 else
@@ -316,9 +333,12 @@ elif importlib.util.find_spec("vllm") is None:
     print("vLLM is not importable here (the bare CUDA image has none, and its wheel is larger than a slot carries)")
 PYEOF
 )"
-if [ -z "$VLLM_WHY" ]; then VARIANTS+=(vllm); else record real_model/vllm skipped 0 0 "$VLLM_WHY"; fi
+if ! selected real_model; then :
+elif [ -z "$VLLM_WHY" ]; then VARIANTS+=(vllm); else record real_model/vllm skipped 0 0 "$VLLM_WHY"; fi
 if [ "$ENV_OK" != 1 ]; then
   record real_model skipped 0 0 "the environment failed"
+elif ! selected real_model; then
+  record real_model skipped 0 0 "$NOT_SELECTED"
 elif [ -n "$FETCH_SKIP" ]; then
   if [ "${STALERL_REQUIRE_REAL_MODEL:-0}" = 1 ] && [ "${FETCH_SKIP#no }" != "$FETCH_SKIP" ]; then
     record real_model fail 0 0 "STALERL_REQUIRE_REAL_MODEL=1 but $FETCH_SKIP"

@@ -58,6 +58,33 @@ def test_a_tiny_budget_skips_every_part_saying_why_and_ends_inside_it(tmp_path):
     assert {"numerics", "real_model", "real_scale"} <= set(s["incomplete"])
 
 
+def test_parts_runs_only_the_selected_ones_and_a_typo_spends_nothing(tmp_path):
+    """--parts bench: the environment and the log-prob timing run; every other part is listed as not selected (not
+    INCOMPLETE) and the model conversion never starts. An unknown part exits 2 before anything is made."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, STALERL_SMOKE_DEVICE="cpu", OUT=str(out),
+               STALERL_SMOKE_DIR=str(tmp_path / "work"), STALERL_CHECK_WHEELS=str(tmp_path / "no-wheels"),
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    bad = subprocess.run(["bash", "scripts/gpu_check.sh", "--parts", "bench,real-scale"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--parts: unknown part 'real-scale'" in bad.stderr, bad.stderr
+    assert not out.exists() and not (tmp_path / "work").exists()
+    res = subprocess.run(["bash", "scripts/gpu_check.sh", "--budget", "150", "--parts", "bench"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=240)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-3000:]
+    data = json.loads((out / "gpu_check_report.json").read_text())
+    s = data["summary"]
+    assert s["verdict"] == "PASS" and s["incomplete"] == []
+    assert s["parts"]["environment"] == "pass" and s["parts"]["bench"] == "pass"
+    skipped = {x["what"]: x["why"] for x in data["skipped"]}
+    for part in ("numerics", "real_model", "real_scale", "smoke"):
+        assert skipped[part] == "not selected (--parts bench)", (part, skipped)
+    assert "real_model/vllm" not in skipped
+    assert not (out / "logs" / "model_fetch.log").exists() and "converting" not in text
+    assert data["environment"]["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_gpu_check_cpu_dry_mode_with_the_real_model_reports_every_figure(tmp_path):
