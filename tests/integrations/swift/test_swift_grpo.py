@@ -111,6 +111,22 @@ def killed_without_a_python_error(proc: subprocess.CompletedProcess) -> bool:
             and "Traceback (most recent call last)" not in proc.stderr)
 
 
+def test_a_rank_killed_by_a_signal_is_told_apart_from_a_python_error():
+    """The one case a 2-process run is repeated for: torchrun names a rank with a negative exit code (a signal) and no
+    rank printed a traceback. A refusal (a RuntimeError in both ranks), a plain exit 1 and a success are not it."""
+    summary = "Root Cause (first observed failure):\n  [0]:\n    rank      : 1 (local_rank: 1)\n" \
+              "    exitcode  : -6 (pid: 18518)  (SIGABRT)\n"
+    refusal = "Traceback (most recent call last):\n  ...\n[rank1]: RuntimeError: --loss_type m2po: ...\n"
+
+    def run(rc: int, stderr: str) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(["swift"], rc, "", stderr)
+
+    assert killed_without_a_python_error(run(1, summary))
+    assert not killed_without_a_python_error(run(1, refusal + summary))
+    assert not killed_without_a_python_error(run(1, "    exitcode  : 1 (pid: 3)\n"))
+    assert not killed_without_a_python_error(run(0, summary))
+
+
 def failure_report(folder: Path, proc: subprocess.CompletedProcess) -> str:
     """Why a ``swift rlhf`` run failed: its whole stderr goes to ``folder/stderr.log``, and the message shows the lines
     that name a cause (a rank's error, an abort, a gloo or C++ exception) before torchrun's summary, which only says
