@@ -38,8 +38,8 @@
 #      from $STALERL_CACHE/models), STALERL_REQUIRE_REAL_MODEL=1 (no GGUF is a failure, not a skip),
 #      STALERL_CHECK_REPORT (also copy the report there), STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1
 #      (install every wheel even where the image has the module), STALERL_CHECK_NO_PIP=1 (unpack instead of pip),
-#      STALERL_CHECK_KEEP_WORK=1, STALERL_CHECK_PARTS (= --parts), PYTHON (python3); PYTORCH_CUDA_ALLOC_CONF is passed
-#      through and recorded in the report's environment.
+#      STALERL_CHECK_KEEP_WORK=1, STALERL_CHECK_PARTS (= --parts), PYTHON (python3); PYTORCH_ALLOC_CONF and
+#      PYTORCH_CUDA_ALLOC_CONF are passed through and recorded in the report's environment.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,10 +61,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: the budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+ORDER=(numerics real_model real_scale bench smoke)  # the parts after the environment, in the order they run
 for p in ${SELECTED//,/ }; do  # before anything is made: a typo must not spend a GPU slot
-  case " numerics real_model real_scale bench smoke " in *" $p "*) ;; *) echo "gpu_check: --parts: unknown part \
-'$p'; expected a comma-separated subset of numerics,real_model,real_scale,bench,smoke (the environment always runs)" >&2
-    exit 2 ;; esac
+  case " ${ORDER[*]} " in *" $p "*) ;; *) echo "gpu_check: --parts: unknown part '$p'; expected a comma-separated \
+subset of $(IFS=,; echo "${ORDER[*]}") (the environment always runs)" >&2; exit 2 ;; esac
 done
 START=$SECONDS
 OUT_NOTE=""
@@ -97,7 +97,6 @@ else
   declare -A PMIN=([numerics]=20 [real_model]=45 [real_scale]=60 [bench]=15 [smoke]=200)
   declare -A PCAP=([numerics]=90 [real_model]=150 [real_scale]=180 [bench]=60 [smoke]=300)
 fi
-ORDER=(numerics real_model real_scale bench smoke)
 declare -A OPTIONAL=([smoke]=1)
 selected() { [ -z "$SELECTED" ] || [[ ",$SELECTED," == *",$1,"* ]]; }
 NOT_SELECTED="not selected (--parts $SELECTED)"
@@ -239,6 +238,8 @@ if missing:
              "come with transformers)")
 import omegaconf, torch, transformers
 env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       # torch reads PYTORCH_ALLOC_CONF first, then PYTORCH_CUDA_ALLOC_CONF
+       "pytorch_alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),
        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
        "transformers": transformers.__version__, "omegaconf": omegaconf.__version__,
        "model_converter": {m: importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate")},
@@ -337,9 +338,7 @@ if ! selected real_model; then :
 elif [ -z "$VLLM_WHY" ]; then VARIANTS+=(vllm); else record real_model/vllm skipped 0 0 "$VLLM_WHY"; fi
 if [ "$ENV_OK" != 1 ]; then
   record real_model skipped 0 0 "the environment failed"
-elif ! selected real_model; then
-  record real_model skipped 0 0 "$NOT_SELECTED"
-elif [ -n "$FETCH_SKIP" ]; then
+elif [ -n "$FETCH_SKIP" ]; then  # also "not selected (--parts ...)"
   if [ "${STALERL_REQUIRE_REAL_MODEL:-0}" = 1 ] && [ "${FETCH_SKIP#no }" != "$FETCH_SKIP" ]; then
     record real_model fail 0 0 "STALERL_REQUIRE_REAL_MODEL=1 but $FETCH_SKIP"
   else
