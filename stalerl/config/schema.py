@@ -12,6 +12,7 @@ from stalerl.config.errors import _DEFER_CHECKS, ConfigError
 from stalerl.config.rules import _resolve_python_interpolations, validate
 from stalerl.config.section import _f, _Section
 from stalerl.config.slurm import SlurmConfig
+from stalerl.config.trackers import MLflowConfig, WandbConfig
 from recipe import rollout_correction as _rc
 
 
@@ -457,6 +458,9 @@ class RecoverConfig(_Section):
                         "resume = require one.")
     freq_steps: int = _f(50, ge=1, help="Checkpoint every N steps (when mode is not disabled).")
     keep_last: int = _f(2, ge=1, help="Checkpoints to keep.")
+    freq_minutes: Optional[float] = _f(None, gt=0.0, help="Also checkpoint at the end of the first step that ends "
+                                                          "at least this many minutes after the last checkpoint "
+                                                          "(when mode is not disabled); null = by steps only.")
 
 
 @dataclass
@@ -479,6 +483,8 @@ class StatsLoggerConfig(_Section):
     mismatch_max_rows: Optional[int] = _f(
         None, ge=1, help="Probe only the first N rows of that batch (the probe is one no-grad forward of what it "
                          "covers: on a CPU with a real model, a full 64-row batch costs ~15% of a step); null = all.")
+    wandb: WandbConfig = _f(factory=WandbConfig, help="Weights & Biases tracking (docs/tracking.md).")
+    mlflow: MLflowConfig = _f(factory=MLflowConfig, help="MLflow tracking (docs/tracking.md).")
 
 
 @dataclass

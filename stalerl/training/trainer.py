@@ -27,6 +27,7 @@ from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
 from stalerl.data.fit import check_data_fits
 from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary
+from stalerl.results.tracking import open_metrics_logger
 from stalerl.core.model import PromptFormatter, load_policy_from_config, resolve_device
 from stalerl.core.reward import gsm8k_reward
 from stalerl.rollout.batch import RolloutBatch
@@ -282,8 +283,8 @@ class Trainer:
         resumed = self.maybe_recover()
         if resumed is None:
             self._set_aside_previous_metrics()
-        logger = self.source.wrap_logger(MetricsLogger(self.run_dir, tensorboard=cfg.stats_logger.tensorboard,
-                                                resume_step=resumed, resume_rows=self.resume_rows, log=self.log))
+        logger = self.source.wrap_logger(open_metrics_logger(self.run_dir, cfg, resume_step=resumed,
+                                                             resume_rows=self.resume_rows, log=self.log))
         self.metrics_logger = logger
         if not self.warm_start_done:
             summary = self.run_warm_start()

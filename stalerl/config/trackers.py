@@ -1,0 +1,35 @@
+"""``stats_logger.wandb`` and ``stats_logger.mlflow``: experiment trackers beside JSONL and TensorBoard (docs/tracking.md).
+
+Torch-free and import-free: neither ``wandb`` nor ``mlflow`` is imported unless a tracker is enabled
+(stalerl.results.tracking)."""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from stalerl.config.section import _f, _Section
+
+
+@dataclass
+class WandbConfig(_Section):
+    """Weights & Biases run tracking (pip install 'stalerl[wandb]')."""
+
+    mode: str = _f("disabled", choices=("disabled", "offline", "online"),
+                   help="disabled = no W&B; offline = a local run directory that `wandb sync` uploads later; "
+                        "online = log to the W&B server (needs WANDB_API_KEY or `wandb login`).")
+    project: str = _f("stalerl", help="W&B project.")
+    entity: Optional[str] = _f(None, help="W&B entity (user or team); null = the logged-in default.")
+    name: Optional[str] = _f(None, help="Run name; null = {experiment_name}/{trial_name}.")
+    group: Optional[str] = _f(None, help="Run group; null = the trial name (sweeps and study grids group naturally).")
+    tags: List[str] = _f(factory=list, help="Run tags.")
+    dir: Optional[str] = _f(None, help="Where W&B writes its files; null = the run directory.")
+
+
+@dataclass
+class MLflowConfig(_Section):
+    """MLflow run tracking (pip install 'stalerl[mlflow]')."""
+
+    enabled: bool = _f(False, help="Log params, metrics, the summary and artifacts to MLflow.")
+    tracking_uri: Optional[str] = _f(None, help="A local path, sqlite:///..., or a server URL (http://host:port); "
+                                                "null = sqlite:///{run_dir}/mlflow.db beside the trial.")
+    experiment: Optional[str] = _f(None, help="MLflow experiment; null = experiment_name.")
+    run_name: Optional[str] = _f(None, help="Run name; null = the trial name.")
