@@ -73,8 +73,12 @@ class DataParallel:
 def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if opt_cfg.type == "adamw":
+        # foreach=True: torch picks the multi-tensor path only for CUDA tensors, and on CPU runs one small kernel per
+        # parameter per operation. The multi-tensor path computes the same update bit for bit (same ops, same
+        # order; tests/unit/test_actor.py checks it against foreach=False) in ~half the time on SmolLM2's 272 tensors
+        # (bench/real_model_limits.py). fused=True is faster still but rounds differently, so it is not the default.
         return torch.optim.AdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
-                                 weight_decay=opt_cfg.weight_decay)
+                                 weight_decay=opt_cfg.weight_decay, foreach=True)
     if opt_cfg.type == "sgd":
         return torch.optim.SGD(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     raise ValueError(f"actor.optimizer.type must be adamw or sgd, got {opt_cfg.type!r}")
@@ -463,7 +467,19 @@ class Actor:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(fsdp.optimizer_state_by_index(self.model, state["optimizer"]))
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _keep_implementation(self.optimizer)
             return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _keep_implementation(self.optimizer)
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """``Optimizer.load_state_dict`` restores the saved param groups whole, ``foreach`` included: a checkpoint from
+    before foreach=True (``None`` there, the per-parameter loop on CPU) would quietly bring the slow path back.
+    The implementation is this build's choice, not part of the saved state (both give the same update)."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        for group in optimizer.param_groups:
+            group["foreach"] = True
+

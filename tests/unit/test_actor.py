@@ -113,3 +113,34 @@ def test_m2po_mask_reduces_m2_of_trust_region(tiny_policy):
                                  **{"mb_spec.max_tokens_per_mb": 40})
     assert metrics["actor/m2po/m2_before"] > 0.01
     assert metrics["actor/m2po/m2_after"] <= 0.01 + 1e-9
+
+
+def test_the_multi_tensor_adamw_gives_the_per_parameter_loops_update_bit_for_bit(tiny_policy):
+    """build_optimizer's foreach=True must not change a single weight against torch's CPU default (the
+    per-parameter loop): 3 updates with weight decay, 2 mini-batches each, compared exactly."""
+    model, tok = tiny_policy
+    batch, adv = _stale_batch(model, tok)
+    cfg = load_config(["actor.ppo_n_minibatches=2", "train_dataset.batch_size=6",
+                       "actor.optimizer.weight_decay=0.1", "actor.optimizer.lr=1e-3"])
+    fast = Actor(copy.deepcopy(model), cfg.actor, temperature=1.0, total_updates=6)
+    loop = Actor(copy.deepcopy(model), cfg.actor, temperature=1.0, total_updates=6)
+    for group in loop.optimizer.param_groups:
+        group["foreach"] = False
+    assert all(g["foreach"] is True for g in fast.optimizer.param_groups)
+    for _ in range(3):
+        fast.update(batch, adv)
+        loop.update(batch, adv)
+    for a, b in zip(fast.model.parameters(), loop.model.parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(fast.model.parameters(), model.parameters()))
+
+
+def test_a_checkpoint_saved_without_foreach_resumes_on_the_multi_tensor_path(tiny_policy):
+    model, _ = tiny_policy
+    cfg = load_config([])
+    actor = Actor(copy.deepcopy(model), cfg.actor, temperature=1.0, total_updates=1)
+    state = actor.state_dict()
+    for group in state["optimizer"]["param_groups"]:
+        group["foreach"] = None  # what checkpoints written before foreach=True hold
+    actor.load_state_dict(state)
+    assert all(g["foreach"] is True for g in actor.optimizer.param_groups)
