@@ -339,12 +339,34 @@ class Actor:
                 bounds.append(bounds[-1] + size)
             chunks = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
         per_step: list[dict[str, float]] = []
+        loss_parts: list[tuple[dict[str, float], dict[str, float]]] = []
         for chunk in chunks:
-            per_step.append(self._update_minibatch(batch.select(chunk), advantages[chunk]))
+            metrics, parts = self._update_minibatch(batch.select(chunk), advantages[chunk])
+            per_step.append(metrics)
+            loss_parts.extend(parts)
         keys = set().union(*per_step)
-        return {k: sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in sorted(keys)}
+        out = {k: sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in sorted(keys)}
+        # The loss's own metrics: one value by its declared rules (recipe/declaration.py) over every micro-batch of
+        # every mini-batch on every rank, so a SUM is the step's sum and a MAX the step's max wherever the step was
+        # cut (a plain mean of per-mini-batch or rank 0's values would not be).
+        reduced = reduce_metrics(self._gather_parts(loss_parts), self.spec.declaration.metrics)
+        out.update({f"actor/{k}": v for k, v in reduced.items()})
+        return out
 
-    def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor) -> dict[str, float]:
+    def _gather_parts(self, parts: list[tuple[dict[str, float], dict[str, float]]]
+                      ) -> list[tuple[dict[str, float], dict[str, float]]]:
+        """Every rank's (counts, metrics) micro-batch parts, in rank order (the identity without data parallelism).
+        Collective: every rank calls it once per step (the update is)."""
+        if self.dp.size == 1:
+            return parts
+        gathered: list[Any] = [None] * self.dp.size
+        torch.distributed.all_gather_object(gathered, parts, group=self.dp.group)
+        return [part for rank_parts in gathered for part in rank_parts]
+
+    def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor
+                          ) -> tuple[dict[str, float], list[tuple[dict[str, float], dict[str, float]]]]:
+        """One optimizer step on a mini-batch: (its step metrics, the loss's per-micro-batch (counts, metrics)
+        parts, which :meth:`update` reduces over the whole step by the loss's declared rules)."""
         adv = adv[:, :mini.response_ids.shape[1]]
         micro = self.micro_batches(mini)
         # Rollout correction, once over the mini-batch (per token or per row: the split cannot change it). Rejected
@@ -424,9 +446,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         grad_norm = fsdp.to_float(grad_norm)  # waits for the device, so the time below is the step's
         self.optimizer_seconds += time.perf_counter() - t_opt
-        # one value per metric by the loss's declared rules (recipe/declaration.py)
-        out = {f"actor/{k}": v for k, v in reduce_metrics(metric_parts, self.spec.declaration.metrics).items()}
-        out.update({f"actor/{k}": v for k, v in selection_metrics.items()})
+        out = {f"actor/{k}": v for k, v in selection_metrics.items()}
         out.update(correction_metrics)  # rollout_correction/* (none: no keys)
         out["actor/loss"] = loss_sum
         out["actor/grad_norm"] = grad_norm
@@ -436,7 +456,10 @@ class Actor:
         out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
         out["actor/num_micro_batches"] = float(len(micro))
         out["actor/chunked_logprobs"] = float(self.chunked_logprobs)  # 0: the plain logits path (logged at start)
-        return out
+        # The planner's selection metrics describe the whole mini-batch's decision: they replace the same keys of the
+        # per-call metrics (each call saw only its micro-batch of that decision).
+        parts = [(counts, {k: v for k, v in m.items() if k not in selection_metrics}) for counts, m in metric_parts]
+        return out, parts
 
     def skip_update(self) -> dict[str, float]:
         """A step whose every prompt group was left out (actor.skip_zero_advantage_groups): no forward, backward or
