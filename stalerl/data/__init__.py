@@ -43,13 +43,14 @@ def load_examples(
     test_size: int = 256,
     seed: int = 1234,
     question_style: str = "equation",
+    holdout: str = "ordered",
     max_length: Optional[int] = None,
     length_fn: Optional[Callable[[str], int]] = None,
 ) -> list[Example]:
     """Examples of ``split`` (``"train"`` or ``"test"``; ``"eval"``/``"validation"`` mean ``"test"``).
 
     ``path == "synthetic"`` (or ``"synthetic:<task>"``, overriding ``synthetic_task``) uses the generator with
-    ``max_operand``, ``train_size``, ``test_size``, ``seed`` and ``question_style``; any other path goes to the GSM8K loader (the
+    ``max_operand``, ``train_size``, ``test_size``, ``seed``, ``question_style`` and ``holdout``; any other path goes to the GSM8K loader (the
     synthetic-only arguments are ignored).
 
     ``max_length`` drops examples whose question is longer than that, measured by ``length_fn(question)``
@@ -63,7 +64,7 @@ def load_examples(
         task = path.split(":", 1)[1] if ":" in path else synthetic_task
         examples = generate_synthetic(
             task, canonical, max_operand=max_operand, train_size=train_size, test_size=test_size, seed=seed,
-            question_style=question_style,
+            question_style=question_style, holdout=holdout,
         )
     else:
         examples = load_gsm8k(path, canonical)

@@ -17,7 +17,14 @@ the amount taken away in ``[1, min(max_operand, a+b)]``).
 
 Splits: the test set is ``test_size`` distinct problems; the train set is ``train_size`` problems drawn (with
 repetition) from the rest, so no train problem has the numbers of a test problem. Both depend only on
-``(task, max_operand, seed, test_size)`` (and the train set on ``train_size`` as a prefix), never on global RNG state.
+``(task, max_operand, seed, test_size, holdout)`` (and the train set on ``train_size`` as a prefix), never on global
+RNG state.
+
+``holdout``: what "the same problem" means for the split. ``ordered`` (the default, and what every committed study
+used): the numbers in order, so ``7+12`` may be tested while ``12+7`` is trained on (SmolLM2's ``smollm2_add``: 83 of
+its 128 test problems had their reversed twin in the training pool). ``unordered``: problems whose operands of a sum
+can be swapped into each other are one problem (``a+b`` / ``b+a``; ``chain`` any order of its three operands;
+``word`` its two added amounts), so a test problem's twins never reach the train split.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Iterable
 
 from stalerl.data.example import Example
 
-__all__ = ["QUESTION_STYLES", "TASKS", "generate_synthetic", "synthetic_splits", "write_gsm8k_jsonl",
+__all__ = ["HOLDOUTS", "QUESTION_STYLES", "TASKS", "generate_synthetic", "problem_class", "synthetic_splits", "write_gsm8k_jsonl",
            "problem_space_size"]
 
 TASKS = ("add", "addcot", "chain", "word")
@@ -37,6 +44,7 @@ TASKS = ("add", "addcot", "chain", "word")
 # which an instruct model answers far more often (SmolLM2-135M-Instruct, operands <= 20, greedy: 0.43 vs 0.30).
 # ``word`` problems are sentences already and ignore it.
 QUESTION_STYLES = ("equation", "what_is")
+HOLDOUTS = ("ordered", "unordered")
 
 _NAMES = (
     ("Tom", "He", "he"), ("Anna", "She", "she"), ("Ben", "He", "he"), ("Mia", "She", "she"),
@@ -52,7 +60,10 @@ _TEMPLATES = (
 )
 
 
-def _check(task: str, max_operand: int, train_size: int, test_size: int, question_style: str = "equation") -> None:
+def _check(task: str, max_operand: int, train_size: int, test_size: int, question_style: str = "equation",
+           holdout: str = "ordered") -> None:
+    if holdout not in HOLDOUTS:
+        raise ValueError(f"unknown synthetic holdout {holdout!r}; choose one of {', '.join(HOLDOUTS)}")
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
     if question_style not in QUESTION_STYLES:
@@ -125,11 +136,28 @@ def _rng(task: str, max_operand: int, seed: int, split: str) -> random.Random:
     return random.Random(f"stalerl.synthetic/{task}/{max_operand}/{seed}/{split}")
 
 
-def _test_keys(task: str, max_operand: int, test_size: int, seed: int) -> list[tuple]:
+def problem_class(task: str, key: tuple, holdout: str) -> tuple:
+    """The held-out unit a problem belongs to: itself (``ordered``), or every problem whose summed operands are the
+    same up to order (``unordered``: ``(a, b)`` and ``(b, a)``; ``chain``'s three; ``word``'s ``a`` and ``b``, with
+    the amount taken away kept)."""
+    if holdout == "ordered":
+        return key
+    if task == "word":
+        a, b, c = key
+        return (min(a, b), max(a, b), c)
+    return tuple(sorted(key))
+
+
+def _test_keys(task: str, max_operand: int, test_size: int, seed: int, holdout: str = "ordered") -> list[tuple]:
     space = problem_space_size(task, max_operand)
+    if holdout == "unordered":
+        # about half as many classes as problems for a sum of two: the train split must keep at least as many
+        # unseen classes as the test split takes
+        space = _class_count(task, max_operand)
     if test_size > space // 2:
         raise ValueError(
-            f"synthetic task {task!r} with max_operand={max_operand} has only {space} distinct problems; "
+            f"synthetic task {task!r} with max_operand={max_operand} has only {space} distinct problems"
+            f"{' up to the order of operands (holdout=unordered)' if holdout == 'unordered' else ''}; "
             f"test_size={test_size} must be at most half of that ({space // 2}) so the train split keeps enough "
             "unseen problems. Lower test_size or raise max_operand."
         )
@@ -138,10 +166,24 @@ def _test_keys(task: str, max_operand: int, test_size: int, seed: int) -> list[t
     seen: set = set()
     while len(keys) < test_size:
         key = _draw_key(task, rng, max_operand)
-        if key not in seen:
-            seen.add(key)
+        unit = problem_class(task, key, holdout)
+        if unit not in seen:
+            seen.add(unit)
             keys.append(key)
     return keys
+
+
+def _class_count(task: str, max_operand: int) -> int:
+    """Distinct ``unordered`` classes (a literal count for the sizes the checks need; a formula for large ones)."""
+    m = max_operand
+    if task in ("add", "addcot"):
+        return (m + 1) * (m + 2) // 2
+    if task == "chain":
+        return (m + 1) * (m + 2) * (m + 3) // 6
+    if m > 300:  # word: close enough for the half-the-space check at sizes where the exact count is slow
+        return problem_space_size(task, m) // 2
+    return len({(min(a, b), max(a, b), c) for a in range(1, m + 1) for b in range(1, m + 1)
+                for c in range(1, min(m, a + b) + 1)})
 
 
 def synthetic_splits(
@@ -152,19 +194,21 @@ def synthetic_splits(
     test_size: int = 256,
     seed: int = 1234,
     question_style: str = "equation",
+    holdout: str = "ordered",
 ) -> tuple[list[Example], list[Example]]:
-    """``(train, test)`` example lists, disjoint by problem numbers and deterministic in the arguments. The question
-    style changes only the question's wording, never which problems are drawn."""
-    _check(task, max_operand, train_size, test_size, question_style)
-    test_keys = _test_keys(task, max_operand, test_size, seed)
+    """``(train, test)`` example lists, disjoint by problem numbers (``holdout``: in order, or up to the order of
+    summed operands) and deterministic in the arguments. The question style changes only the question's wording,
+    never which problems are drawn; ``ordered`` gives the splits every earlier version gave."""
+    _check(task, max_operand, train_size, test_size, question_style, holdout)
+    test_keys = _test_keys(task, max_operand, test_size, seed, holdout)
     text_rng = _rng(task, max_operand, seed, "test-text")
     test = [_render(task, k, text_rng) for k in test_keys]
-    held_out = set(test_keys)
+    held_out = {problem_class(task, k, holdout) for k in test_keys}
     rng = _rng(task, max_operand, seed, "train")
     train: list[Example] = []
     while len(train) < train_size:
         key = _draw_key(task, rng, max_operand)
-        if key in held_out:
+        if problem_class(task, key, holdout) in held_out:
             continue
         train.append(_render(task, key, rng))
     return [_restyle(e, question_style) for e in train], [_restyle(e, question_style) for e in test]
@@ -179,18 +223,19 @@ def generate_synthetic(
     test_size: int = 256,
     seed: int = 1234,
     question_style: str = "equation",
+    holdout: str = "ordered",
 ) -> list[Example]:
     """One split (``"train"`` or ``"test"``) of ``synthetic_splits``. The test split is the same whatever
     ``train_size``; asking for the test split does not generate the train split."""
     if split == "test":
-        _check(task, max_operand, train_size, test_size, question_style)
+        _check(task, max_operand, train_size, test_size, question_style, holdout)
         text_rng = _rng(task, max_operand, seed, "test-text")
         return [_restyle(_render(task, k, text_rng), question_style)
-                for k in _test_keys(task, max_operand, test_size, seed)]
+                for k in _test_keys(task, max_operand, test_size, seed, holdout)]
     if split == "train":
         return synthetic_splits(
             task, max_operand=max_operand, train_size=train_size, test_size=test_size, seed=seed,
-            question_style=question_style,
+            question_style=question_style, holdout=holdout,
         )[0]
     raise ValueError(f"synthetic split must be 'train' or 'test', got {split!r}")
 

@@ -366,3 +366,59 @@ def test_question_style_rewords_the_same_problems(task):
     assert [e.question for e in loaded] == [e.question for e in wi_test]
     with pytest.raises(ValueError, match="unknown question style 'words'"):
         synthetic_splits(task, max_operand=20, train_size=5, test_size=2, question_style="words")
+
+
+# ---------------------------------------------------------------- holdout: ordered vs unordered (issue 47 item 1)
+from stalerl.data.synthetic import problem_class, synthetic_splits  # noqa: E402
+
+
+def _operands(task, example):
+    import re
+    nums = [int(n) for n in re.findall(r"\d+", example.question)]
+    return tuple(nums[:3] if task in ("chain", "word") else nums[:2])
+
+
+def _literal_class(task, key):
+    """The unordered class, written out: every ordering of the summed operands."""
+    import itertools
+    if task == "word":
+        a, b, c = key
+        return frozenset({(a, b, c), (b, a, c)})
+    return frozenset(itertools.permutations(key))
+
+
+@pytest.mark.parametrize("task", ["add", "chain", "word"])
+def test_unordered_holdout_keeps_every_twin_of_a_test_problem_out_of_training(task):
+    train, test = synthetic_splits(task, max_operand=12, train_size=3000, test_size=40, seed=7, holdout="unordered")
+    held = set().union(*(_literal_class(task, _operands(task, e)) for e in test))
+    assert len(test) == 40
+    assert not any(_operands(task, e) in held for e in train)
+    # the same problem space under the old rule does let twins through (the check can fail)
+    train_o, test_o = synthetic_splits(task, max_operand=12, train_size=3000, test_size=40, seed=7)
+    twins = set().union(*(_literal_class(task, _operands(task, e)) for e in test_o))
+    assert any(_operands(task, e) in twins for e in train_o)
+    # and no test problems share a class
+    assert len({problem_class(task, _operands(task, e), "unordered") for e in test}) == 40
+
+
+def test_ordered_holdout_is_the_split_every_earlier_version_gave():
+    default = synthetic_splits("add", max_operand=20, train_size=500, test_size=128, question_style="what_is")
+    ordered = synthetic_splits("add", max_operand=20, train_size=500, test_size=128, question_style="what_is",
+                               holdout="ordered")
+    assert default == ordered
+    # smollm2_add's split (the README's 83 of 128): the test problems whose reversed twin is in the training pool
+    train, test = synthetic_splits("add", max_operand=20, train_size=20000, test_size=128, question_style="what_is")
+    pool = {_operands("add", e) for e in train}
+    assert sum((b, a) in pool for a, b in (_operands("add", e) for e in test)) == 83
+
+
+def test_an_unknown_holdout_is_one_line():
+    with pytest.raises(ValueError, match="unknown synthetic holdout 'sorted'; choose one of ordered, unordered"):
+        synthetic_splits("add", max_operand=20, holdout="sorted")
+
+
+def test_unordered_holdout_refuses_a_test_split_over_half_the_classes():
+    # add with max_operand 3: 10 unordered classes, so at most 5 test problems
+    synthetic_splits("add", max_operand=3, train_size=10, test_size=5, holdout="unordered")
+    with pytest.raises(ValueError, match="test_size=6 must be at most half"):
+        synthetic_splits("add", max_operand=3, train_size=10, test_size=6, holdout="unordered")
