@@ -424,6 +424,47 @@ def identity_fields(cfg: Any) -> dict[str, Any]:
             "m2_threshold": cfg.actor.m2_threshold}
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_digest(actor_path: str) -> dict[str, Any]:
+    """What the run's initial weights were, as a digest a reader can compare across runs: the sha256 of the model
+    directory's weight files (names and bytes, in name order; a known model name is looked up in the local cache,
+    never fetched here). ``tiny:*`` models are built from ``actor.tiny`` and the seed, which the config digest already
+    covers, so they get no file digest. A path that is not there (a hub name resolved elsewhere) says so."""
+    if actor_path.startswith("tiny:"):
+        return {"digest": None, "source": actor_path, "note": "built from actor.tiny and seed (see config_digest)"}
+    from stalerl.core.model_store import cached_model_dir, is_known_model
+
+    directory: Optional[Path] = None
+    if is_known_model(actor_path):
+        cached = cached_model_dir(actor_path)
+        directory = Path(cached) if cached is not None else None
+    elif Path(actor_path).is_dir():
+        directory = Path(actor_path)
+    if directory is None:
+        return {"digest": None, "source": actor_path, "note": "no local directory to read"}
+    files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name.endswith(WEIGHT_FILE_SUFFIXES))
+    if not files:
+        return {"digest": None, "source": actor_path, "note": f"no weight files in {directory.name}"}
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(directory)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return {"digest": h.hexdigest()[:16], "source": actor_path, "files": len(files),
+            "bytes": sum(f.stat().st_size for f in files)}
+
+
+def ppo_clip_fields(cfg: Any) -> dict[str, Any]:
+    """PPO's clip as this run set it (used by the losses that clip; recorded for every run, so a reader can tell
+    which clip a table's clip runs had without the config)."""
+    a = cfg.actor
+    return {"eps_clip": a.eps_clip, "eps_clip_higher": a.eps_clip_higher if a.eps_clip_higher is not None
+            else a.eps_clip, "c_clip": a.c_clip}
+
+
 def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] = None,
                   rows: Optional[Iterable[Mapping[str, Any]]] = None) -> dict[str, Any]:
     from stalerl.config import run_dir
@@ -452,6 +493,7 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
         "steps_planned": cfg.total_train_steps, "eval_prompts": cfg.evaluator.n_prompts,
         "eval_every": cfg.evaluator.freq_steps,
         "warm_start_cached": origin, "wall_s": _round(wall_s, 4), "machine": machine_description(),
+        "model_weights": weights_digest(str(d["actor"]["path"])), "ppo_clip": ppo_clip_fields(cfg),
     }
     out.update(setting_of(d))
     out.update(summarize_metrics(list(rows)))

@@ -295,3 +295,30 @@ def test_a_run_directory_summary_is_reused_by_the_same_rule(tmp_path, monkeypatc
     assert run() == [t1, t2]
     # the fake pool writes no summary: the old one left in the run directory is not taken for this run's
     assert json.loads((results / f"{t1}.json").read_text())["status"] == "failed"
+
+
+# ------------------------------------------------------------------------------------------------ weights, clip
+def test_a_summary_records_the_weights_digest_and_the_ppo_clip(tmp_path):
+    from stalerl.results.run_summary import weights_digest
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\x00" * 1000)
+    (model / "config.json").write_text("{}")  # not a weight file: not in the digest
+    first = weights_digest(str(model))
+    assert first["files"] == 1 and first["bytes"] == 1000 and len(first["digest"]) == 16
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "model.safetensors").write_bytes(b"\x00" * 1000)
+    (copy / "config.json").write_text('{"other": 1}')
+    assert weights_digest(str(copy))["digest"] == first["digest"]  # the same weights elsewhere: the same digest
+    (copy / "model.safetensors").write_bytes(b"\x00" * 999 + b"\x01")
+    assert weights_digest(str(copy))["digest"] != first["digest"]  # one byte changed
+    assert weights_digest("tiny:qwen2")["digest"] is None
+    assert weights_digest(str(tmp_path / "absent"))["note"] == "no local directory to read"
+
+    cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path), "actor.eps_clip=0.3",
+                       "actor.c_clip=3.0"])
+    s = build_summary(cfg, status="finished", wall_s=1.0, rows=[])
+    assert s["ppo_clip"] == {"eps_clip": 0.3, "eps_clip_higher": 0.3, "c_clip": 3.0}
+    assert s["model_weights"]["source"] == cfg.actor.path
