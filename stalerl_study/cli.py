@@ -194,8 +194,31 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
                     runs.append({"trial": trial, "seed": seed, "setting": setting,
                                  "method": _label(spec, loss, v_ovr), "overrides": [
                         *spec["overrides"], f"experiment_name={spec['experiment_name']}", f"actor.loss={loss}",
-                        *(v_ovr or []), *(s_ovr or []), f"seed={seed}", f"trial_name={trial}"]})
+                        *(v_ovr or []), *(s_ovr or []), f"seed={seed}", f"trial_name={trial}",
+                        *tracker_overrides(spec)]})
     return runs
+
+
+_TRACKER_OVERRIDES: dict[tuple, list[str]] = {}
+
+
+def tracker_overrides(spec: dict[str, Any]) -> list[str]:
+    """The study's name as the W&B group and the MLflow experiment (docs/tracking.md), for a tracker the study's
+    config enables and leaves unnamed. Only then: an added key changes every run's config digest, and a collected
+    run is reused only under the same digest, so studies without trackers keep theirs."""
+    key = (spec["config"], tuple(spec["overrides"]), spec["name"])
+    if key not in _TRACKER_OVERRIDES:
+        try:
+            cfg = _load(spec["config"], spec["overrides"])
+        except Exception:  # noqa: BLE001 - check_settings loads every run's config and says what is wrong
+            return []
+        out = []
+        if cfg.stats_logger.wandb.mode != "disabled" and cfg.stats_logger.wandb.group is None:
+            out.append(f"stats_logger.wandb.group={spec['name']}")
+        if cfg.stats_logger.mlflow.enabled and cfg.stats_logger.mlflow.experiment is None:
+            out.append(f"stats_logger.mlflow.experiment={spec['name']}")
+        _TRACKER_OVERRIDES[key] = out
+    return _TRACKER_OVERRIDES[key]
 
 
 def _load(config: str, overrides: Sequence[str]):

@@ -223,25 +223,31 @@ def _train_in_task(cfg: ExperimentConfig, log_path: Optional[str], pid_path: Opt
 
 
 def train_with_summary(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Train, then write ``<run_dir>/summary.json`` (see :mod:`stalerl.results.run_summary`), also when the run fails."""
+    """Train, then write ``<run_dir>/summary.json`` (see :mod:`stalerl.results.run_summary`), also when the run fails;
+    the experiment trackers (stats_logger.wandb / mlflow) then get the summary and end their runs."""
     from stalerl.results.run_summary import write_run_summary
+    from stalerl.results.tracking import finish_trackers
 
     from stalerl.training.trainer import TrainingDiverged
+
+    def summary(status: str, **kwargs: Any) -> None:
+        try:
+            write_run_summary(cfg, status=status, wall_s=time.time() - start, **kwargs)
+        finally:  # a summary that cannot be written (strict: a full disk) still ends the trackers' runs
+            finish_trackers(run_dir(cfg), status, run_dir(cfg) / "summary.json")
 
     start = time.time()
     try:
         result = build_trainer(cfg).train()
     except TrainingDiverged as exc:  # an outcome of the method, not a failure of the run: its own status
-        write_run_summary(cfg, status="diverged", wall_s=time.time() - start, error=str(exc)[:2000])
+        summary("diverged", error=str(exc)[:2000])
         raise
     except RunInterrupted as exc:  # SIGTERM/SIGINT: stopped on purpose, resumable
-        write_run_summary(cfg, status="interrupted", wall_s=time.time() - start, error=str(exc)[:2000],
-                          extra={"interrupted": exc.record()})
+        summary("interrupted", error=str(exc)[:2000], extra={"interrupted": exc.record()})
         raise
     except BaseException as exc:
-        write_run_summary(cfg, status="failed", wall_s=time.time() - start,
-                          error=f"{type(exc).__name__}: {exc}"[:2000])
+        summary("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
     # strict: a summary that cannot be written (a full disk) fails the run with one line instead of a warning
-    write_run_summary(cfg, status="finished", wall_s=time.time() - start, strict=True)
+    summary("finished", strict=True)
     return result
