@@ -13,33 +13,48 @@
 #   real_model   SmolLM2-135M-Instruct trained a few steps at a real batch (smollm2_add_m2po_cpu.yaml's task, 64
 #                prompts x 8 samples, on the device) with the HF engine in bf16 and in fp32 (and vLLM when
 #                importable): generation / training tokens/s, peak memory, the per-token engine-vs-trainer log-prob
-#                mismatch (mismatch/*), the step split;
-#   real_scale   examples/math/gsm8k_m2po.yaml at its shipped batch and lengths (64 x 4 x 512 tokens, bf16, 16k-token
-#                micro-batches, gradient checkpointing) on a from-scratch model of Qwen2.5-1.5B's shape, staleness 0;
-#   bench        scripts/gpu_check_bench.py: chunked vs plain log-prob time and memory at the 1.5B head shape; vLLM
-#                tokens/s with and without CUDA graphs and weight-sync time (each says why when skipped);
+#                mismatch (mismatch/*), the step split; beside the bf16 run the mismatch control
+#                (scripts/gpu_check_mismatch.py: one batch re-scored in float32, by one-row micro-batches and through
+#                the plain head; its per-token log-probs saved). Not run on CUDA (no GGUF): INCOMPLETE;
+#   real_scale   examples/math/gsm8k_m2po.yaml at its shipped batch and lengths (64 x 4 x 512 tokens, bf16, 8,192-token
+#                micro-batches, no gradient checkpointing) on a from-scratch model of Qwen2.5-1.5B's shape, staleness 0;
+#   long         scripts/gpu_check_long.py: one training step at 4k and 8k tokens per row on the 1.5B shape (chunked
+#                log-probs, time and peak memory);
+#   bench        scripts/gpu_check_bench.py: chunked vs plain log-prob time and memory at the 1.5B head shape over the
+#                config's max_tokens_per_mb (the memory ratio asserted on CUDA); vLLM tokens/s with and without CUDA
+#                graphs and weight-sync time (each says why when skipped);
+#   m2po_selection  scripts/gpu_check_m2po.py: bench/m2po_selection.py on the device, ours <= 3x the elementwise floor;
 #   smoke        scripts/gpu_smoke.sh (85M model, checkpoints, resume, d2 runs with 3 GPUs); optional: it runs only
 #                with 200 s left on CUDA (e.g. --budget 600), otherwise it is listed as skipped for the budget.
 # Each part gets min(its cap, the time left less the minimum of the parts after it); a part whose slice is below its
-# minimum is skipped, a part that runs past its slice is cut (timeout) and reported as cut with what it finished.
+# minimum is skipped; a part that runs past its slice is cut (timeout) and reported as cut with what it finished; a
+# part killed by a signal before its slice ran out is a failure ("killed (signal N; OOM?)").
+# Sizing: a GPU under 100 GiB (an H100's 78 GiB) runs real_scale and long with PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True unless it is set (the caching allocator's reserve reached 139 GiB on an H200 for 55 GiB
+# allocated); the report records it.
+# Code identity: python scripts/gpu_check_identity.py here before the device call (carry .gpu_check); the report
+# compares it with the tree the device ran and the runs' summary.json. The files to commit: $OUT/evidence/
+# (scripts/gpu_check_evidence.py: the raw files, paths redacted by the script, with a SHA-256 manifest).
 # Everything measured (gpu_check_report.json, every part's JSON and log, the runs' metrics) goes to $OUT when set,
 # else to a new temp dir named at the start and the end; models, assets and checkpoints go to a scratch dir that is
 # removed at the end (STALERL_CHECK_KEEP_WORK=1 keeps it).
 #
 #   bash scripts/gpu_check.sh [--budget SECONDS] [--out DIR] [--parts a,b]   # on the GPU machine (.whl/ prepared here)
-#   --parts numerics,real_model,real_scale,bench,smoke: run only these (the environment always runs; the others are
-#   listed as "not selected", which does not make the verdict INCOMPLETE), e.g. one part again in a short slot.
+#   --parts numerics,real_model,real_scale,long,bench,m2po_selection,smoke: run only these (the environment always
+#   runs; the others are listed as "not selected"), e.g. one part again in a short slot; the verdict is then PARTIAL.
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh             # CPU dry mode: the same parts at tiny sizes
-# Exit code: 0 every part that ran passed, 1 a part failed, 3 nothing failed but a part was cut by its slice or a
-# required part was skipped for the budget (the report's verdict: PASS, FAIL, INCOMPLETE).
+# Exit code: 0 PASS (every part ran and passed), 1 FAIL (a part or a comparison failed, or a part was killed), 3
+# INCOMPLETE (nothing failed, but a part was cut by its slice, a required part was skipped for the budget, or
+# real_model did not run on CUDA), 4 PARTIAL (--parts: every selected part passed).
 # Env: STALERL_CHECK_BUDGET_S (420), OUT (the report dir), STALERL_SMOKE_DIR (scratch dir), STALERL_CHECK_STEPS (2,
 #      real_scale steps), STALERL_CHECK_MODEL_STEPS (4 on CUDA, 2 on CPU), STALERL_CHECK_VLLM=0 (no vLLM parts),
 #      STALERL_MODEL_GGUF_DIR (the GGUF's folder; default ../shared/models), STALERL_CACHE (reuse a converted model
 #      from $STALERL_CACHE/models), STALERL_REQUIRE_REAL_MODEL=1 (no GGUF is a failure, not a skip),
 #      STALERL_CHECK_REPORT (also copy the report there), STALERL_CHECK_WHEELS (.whl), STALERL_CHECK_FORCE_WHEELS=1
 #      (install every wheel even where the image has the module), STALERL_CHECK_NO_PIP=1 (unpack instead of pip),
-#      STALERL_CHECK_KEEP_WORK=1, STALERL_CHECK_PARTS (= --parts), PYTHON (python3); PYTORCH_ALLOC_CONF and
-#      PYTORCH_CUDA_ALLOC_CONF are passed through and recorded in the report's environment.
+#      STALERL_CHECK_KEEP_WORK=1, STALERL_CHECK_PARTS (= --parts), STALERL_CHECK_IDENTITY (the sent identity;
+#      .gpu_check/identity.json), PYTHON (python3); PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF are passed through
+#      and recorded in the report's environment.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,7 +76,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: the budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
-ORDER=(numerics real_model real_scale bench smoke)  # the parts after the environment, in the order they run
+ORDER=(numerics real_model real_scale long bench m2po_selection smoke)  # the parts after the environment, in the order they run
 for p in ${SELECTED//,/ }; do  # before anything is made: a typo must not spend a GPU slot
   case " ${ORDER[*]} " in *" $p "*) ;; *) echo "gpu_check: --parts: unknown part '$p'; expected a comma-separated \
 subset of $(IFS=,; echo "${ORDER[*]}") (the environment always runs)" >&2; exit 2 ;; esac
@@ -72,9 +87,10 @@ if [ -z "$OUT_DIR" ]; then
   OUT_DIR="$(mktemp -d -t stalerl-gpucheck-out-XXXXXX)"
   OUT_NOTE=" (no \$OUT: a new temp dir)"
 fi
-rm -rf "$OUT_DIR/parts" "$OUT_DIR/logs" "$OUT_DIR/runs"  # this check's own subfolders: a reused --out starts clean
+rm -rf "$OUT_DIR/parts" "$OUT_DIR/logs" "$OUT_DIR/runs" "$OUT_DIR/evidence"  # a reused --out starts clean
 mkdir -p "$OUT_DIR/parts" "$OUT_DIR/logs" "$OUT_DIR/runs"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+exec > >(tee "$OUT_DIR/console.log") 2>&1  # the console, as the evidence's console.log (stderr merged)
 MADE_WORK=0
 if [ -n "${STALERL_SMOKE_DIR:-}" ]; then WORK="$STALERL_SMOKE_DIR"; else WORK="$(mktemp -d -t stalerl-gpucheck-XXXXXX)"; MADE_WORK=1; fi
 mkdir -p "$WORK"
@@ -91,11 +107,13 @@ cd "$REPO"
 
 # Part slices: minimum and cap in seconds, per device; optional parts reserve nothing for themselves.
 if [ "$DEVICE" = cpu ]; then
-  declare -A PMIN=([numerics]=15 [real_model]=40 [real_scale]=20 [bench]=10 [smoke]=60)
-  declare -A PCAP=([numerics]=240 [real_model]=480 [real_scale]=300 [bench]=200 [smoke]=600)
+  declare -A PMIN=([numerics]=15 [real_model]=40 [real_scale]=20 [long]=15 [bench]=10 [m2po_selection]=10 [smoke]=60)
+  declare -A PCAP=([numerics]=240 [real_model]=480 [real_scale]=300 [long]=120 [bench]=200 [m2po_selection]=120
+                   [smoke]=600)
 else
-  declare -A PMIN=([numerics]=20 [real_model]=45 [real_scale]=60 [bench]=15 [smoke]=200)
-  declare -A PCAP=([numerics]=90 [real_model]=150 [real_scale]=180 [bench]=60 [smoke]=300)
+  declare -A PMIN=([numerics]=20 [real_model]=45 [real_scale]=60 [long]=40 [bench]=15 [m2po_selection]=10 [smoke]=200)
+  declare -A PCAP=([numerics]=90 [real_model]=160 [real_scale]=180 [long]=120 [bench]=60 [m2po_selection]=60
+                   [smoke]=300)
 fi
 declare -A OPTIONAL=([smoke]=1)
 selected() { [ -z "$SELECTED" ] || [[ ",$SELECTED," == *",$1,"* ]]; }
@@ -133,8 +151,13 @@ STALERL_CHECK_BUDGET_S or --budget"
 record() {  # name status seconds limit why  (one line of parts.tsv; the report reads it)
   printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$(echo "$5" | tr '\t\n' '  ')" >> "$PARTS"
 }
-status_of() {  # exit code -> pass / cut / fail
-  case "$1" in 0) echo pass ;; 124|137) echo cut ;; *) echo fail ;; esac
+S="" WHY=""
+classify() {  # classify RC ELAPSED LIMIT: sets S (pass / cut / fail) and WHY (gpu_check_report.py's exit_status:
+  # "cut" only when the slice was reached; a signal before that is "killed (signal N; OOM?)", a failure)
+  local line
+  line="$("$PY" scripts/gpu_check_report.py status "$1" "$2" "$3")" || line="fail	exit code $1"
+  S="${line%%	*}"
+  WHY="${line#*	}"
 }
 SMI_PID=""
 smi_start() {  # nvidia-smi's memory.used, sampled every 0.5 s while a part runs (when the image has nvidia-smi)
@@ -259,11 +282,28 @@ PYEOF
     [ $? -eq 0 ] || ENV_OK=0
   fi
   if [ "$ENV_OK" = 1 ]; then
+    # the code identity: the sent tree (scripts/gpu_check_identity.py, run before the call) against this copy
+    "$PY" scripts/gpu_check_identity.py --verify "${STALERL_CHECK_IDENTITY:-$REPO/.gpu_check/identity.json}" \
+      --out "$OUT_DIR/parts/identity.json" || echo "gpu_check: identity: could not be checked (see above)"
     record environment pass $((SECONDS - PART_START)) "$ENV_LIMIT" ""
   else
     record environment fail $((SECONDS - PART_START)) "$ENV_LIMIT" "the environment is not usable (see the lines above)"
   fi
 fi
+
+# Sizing by the GPU's memory: under 100 GiB (an H100's 78 GiB) the 1.5B parts run with expandable segments unless
+# an allocator setting was given (the caching allocator reserved the H200's 139 GiB for 55 GiB allocated without it)
+SIZING_ENV=()
+GPU_GIB="$("$PY" -c 'import json, sys; g = (json.load(open(sys.argv[1])).get("gpus") or [{}])[0]
+print(int(g.get("memory_gib", 0)))' "$OUT_DIR/parts/environment.json" 2>/dev/null || echo 0)"
+if [ "$DEVICE" != cpu ] && [ "${GPU_GIB:-0}" -gt 0 ] && [ "$GPU_GIB" -lt 100 ] \
+   && [ -z "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]; then
+  SIZING_ENV=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+fi
+printf '{"gpu_memory_gib": %s, "tier": "%s", "real_scale_and_long_env": "%s"}\n' "${GPU_GIB:-0}" \
+  "$([ "$DEVICE" = cpu ] && echo cpu || { [ "${GPU_GIB:-0}" -lt 100 ] && echo "under 100 GiB (H100-class)" || echo "100 GiB or more (H200-class)"; })" \
+  "${SIZING_ENV[*]:-}" > "$OUT_DIR/parts/sizing.json"
+[ ${#SIZING_ENV[@]} -gt 0 ] && echo "gpu_check: sizing: a ${GPU_GIB} GiB GPU: real_scale and long run with ${SIZING_ENV[*]}"
 
 # The real model's conversion, in the background from here (CPU work; the numerics use the device meanwhile)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -276,14 +316,19 @@ if [ "$ENV_OK" != 1 ]; then
   FETCH_SKIP="the environment failed"
 elif ! selected real_model; then
   FETCH_SKIP="$NOT_SELECTED"
-elif [ ! -f "$GGUF_DIR/$GGUF_NAME" ]; then
-  FETCH_SKIP="no $GGUF_NAME in $GGUF_DIR (carry ../shared/models or set STALERL_MODEL_GGUF_DIR)"
+elif [ ! -f "$GGUF_DIR/$GGUF_NAME" ] && [ -z "$("$PY" -c 'import sys
+from stalerl.core.model_store import cached_model_dir
+print(cached_model_dir("smollm2-135m-instruct", cache_dir=sys.argv[1]) or "")' "$MODEL_CACHE" 2>/dev/null)" ]; then
+  FETCH_SKIP="no $GGUF_NAME in $GGUF_DIR and no converted model in $MODEL_CACHE (carry ../shared/models, set \
+STALERL_MODEL_GGUF_DIR, or STALERL_CACHE to where stalerl-model fetch put it)"
 else
   FETCH_LIMIT=$(( $(left) - PMIN[real_scale] - PMIN[bench] ))
+  GGUF_ARGS=()  # none: the converted model in the cache is taken as it is
+  [ -f "$GGUF_DIR/$GGUF_NAME" ] && GGUF_ARGS=(--gguf "$GGUF_DIR/$GGUF_NAME")
   if [ "$FETCH_LIMIT" -gt 10 ]; then
-    echo "gpu_check: converting $GGUF_NAME into $MODEL_CACHE in the background ($(date -u +%H:%M:%S))"
+    echo "gpu_check: converting $GGUF_NAME into $MODEL_CACHE in the background, or taking it from there ($(date -u +%H:%M:%S))"
     timeout -k 5 "$FETCH_LIMIT" "$PY" -m stalerl.launch.model_cli fetch smollm2-135m-instruct \
-      --gguf "$GGUF_DIR/$GGUF_NAME" --cache-dir "$MODEL_CACHE" > "$OUT_DIR/logs/model_fetch.log" 2>&1 &
+      "${GGUF_ARGS[@]}" --cache-dir "$MODEL_CACHE" > "$OUT_DIR/logs/model_fetch.log" 2>&1 &
     FETCH_PID=$!
   else
     FETCH_SKIP="budget: ${FETCH_LIMIT}s left for the conversion"
@@ -307,8 +352,8 @@ else
     grep -E '^  FAIL' "$OUT_DIR/logs/numerics.log" 2>/dev/null | head -20
     if [ "$RC" -ne 0 ]; then echo "gpu_check: numerics exit code $RC; last lines of $OUT_DIR/logs/numerics.log:" >&2
       tail_log "$OUT_DIR/logs/numerics.log"; fi
-    record numerics "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
-      "$([ "$RC" -ne 0 ] && [ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    record numerics "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
   fi
 fi
 
@@ -323,7 +368,7 @@ else
   MODEL_OVERRIDES=(actor.device=cuda torch_threads=8 train_dataset.batch_size=64 gconfig.n_samples=8
                    evaluator.n_prompts=128 cluster.n_gpus_per_node=1)
 fi
-VARIANTS=(bfloat16 float32)
+VARIANTS=(bfloat16 control float32)  # control: the mismatch control beside the bf16 run (gpu_check_mismatch.py)
 VLLM_WHY="$("$PY" - "$DEVICE" <<'PYEOF' 2>/dev/null
 import importlib.util, os, sys
 if os.environ.get("STALERL_CHECK_VLLM", "1") == "0":
@@ -331,18 +376,24 @@ if os.environ.get("STALERL_CHECK_VLLM", "1") == "0":
 elif sys.argv[1] == "cpu":
     print("CPU dry mode: the vLLM engine's mismatch is measured on CUDA only")
 elif importlib.util.find_spec("vllm") is None:
-    print("vLLM is not importable here (the bare CUDA image has none, and its wheel is larger than a slot carries)")
+    import torch
+    print(f"vLLM is not importable here: this image has torch {torch.__version__} and no vLLM; vLLM 0.32-0.34 pin "
+          "torch 2.13 / 2.14 (several GB of wheels) and the device has no package registry, so it cannot be "
+          "installed here; the GPU vLLM path is tested on CPU only (docs/gpu.md, 'vLLM on the GPU')")
 PYEOF
 )"
 if ! selected real_model; then :
 elif [ -z "$VLLM_WHY" ]; then VARIANTS+=(vllm); else record real_model/vllm skipped 0 0 "$VLLM_WHY"; fi
 if [ "$ENV_OK" != 1 ]; then
   record real_model skipped 0 0 "the environment failed"
-elif [ -n "$FETCH_SKIP" ]; then  # also "not selected (--parts ...)"
-  if [ "${STALERL_REQUIRE_REAL_MODEL:-0}" = 1 ] && [ "${FETCH_SKIP#no }" != "$FETCH_SKIP" ]; then
-    record real_model fail 0 0 "STALERL_REQUIRE_REAL_MODEL=1 but $FETCH_SKIP"
-  else
-    record real_model skipped 0 0 "$FETCH_SKIP"
+elif [ -n "$FETCH_SKIP" ]; then  # also "not selected (--parts ...)", which plan records itself
+  plan real_model  # the budget first: a part with no time for it is skipped for the budget, GGUF or not
+  if [ "$SLICE" -gt 0 ]; then
+    if [ "${STALERL_REQUIRE_REAL_MODEL:-0}" = 1 ] && [ "${FETCH_SKIP#no }" != "$FETCH_SKIP" ]; then
+      record real_model fail 0 0 "STALERL_REQUIRE_REAL_MODEL=1 but $FETCH_SKIP"
+    else  # on CUDA the report makes this INCOMPLETE: the real model's figures are what a GPU slot is for
+      record real_model skipped 0 0 "$FETCH_SKIP"
+    fi
   fi
 else
   plan real_model
@@ -362,8 +413,12 @@ else
       if [ "$FRC" -ne 0 ] || [ ! -f "$MODEL_DIR/config.json" ]; then
         echo "gpu_check: converting the real model failed (exit $FRC); last lines of $OUT_DIR/logs/model_fetch.log:" >&2
         tail_log "$OUT_DIR/logs/model_fetch.log"
-        record real_model "$(status_of "$FRC" | sed 's/pass/fail/')" $((SECONDS - PART_START)) "$SLICE" \
-          "converting the GGUF failed (exit $FRC): $(tail -1 "$OUT_DIR/logs/model_fetch.log")"
+        if [ "$FRC" -eq 124 ]; then  # its own limit, the time left for it when it started, ran out
+          record real_model cut $((SECONDS - PART_START)) 0 "the model conversion ran out of the time it was given"
+        else
+          record real_model fail $((SECONDS - PART_START)) "$SLICE" \
+            "converting the GGUF failed (exit $FRC): $(tail -1 "$OUT_DIR/logs/model_fetch.log")"
+        fi
         MODEL_DIR=""
       else
         echo "gpu_check: real model at $MODEL_DIR (ready after $(now)s)"
@@ -371,12 +426,30 @@ else
     fi
     if [ -n "$MODEL_DIR" ]; then
       WORST=pass
-      N=${#VARIANTS[@]}
+      declare -A VWEIGHT=([bfloat16]=2 [float32]=2 [vllm]=2 [control]=1)  # shares of what is left of the slice
       for i in "${!VARIANTS[@]}"; do
         V=${VARIANTS[$i]}
-        RUN_LIMIT=$(( (PART_END - SECONDS) / (N - i) ))
+        WSUM=0
+        for W in "${VARIANTS[@]:$i}"; do WSUM=$((WSUM + VWEIGHT[$W])); done
+        RUN_LIMIT=$(( (PART_END - SECONDS) * VWEIGHT[$V] / WSUM ))
         if [ "$RUN_LIMIT" -lt 10 ]; then
           record "real_model/$V" skipped 0 0 "budget: ${RUN_LIMIT}s left of the part's slice"
+          continue
+        fi
+        if [ "$V" = control ]; then  # the same batch scored as the probe does, and re-scored three ways
+          LOGF="$OUT_DIR/logs/mismatch_control.log"
+          echo "gpu_check: mismatch control beside the bf16 run (log $LOGF, limit ${RUN_LIMIT}s)"
+          RSTART=$SECONDS
+          timeout -k 5 "$RUN_LIMIT" "$PY" scripts/gpu_check_mismatch.py --config examples/math/smollm2_add_m2po_cpu.yaml \
+            --out "$OUT_DIR/parts/mismatch_control.json" --tokens "$OUT_DIR/parts/mismatch_tokens_bfloat16.json" \
+            actor.path="$MODEL_DIR" actor.dtype=bfloat16 "${MODEL_OVERRIDES[@]}" > "$LOGF" 2>&1
+          RC=$?
+          grep -E '^(mismatch control|  (ok|FAIL|control|WARNING))' "$LOGF" | sed 's/^/  /'
+          if [ "$RC" -ne 0 ]; then echo "gpu_check: mismatch control exit code $RC; last lines of $LOGF:" >&2; tail_log "$LOGF"; fi
+          classify "$RC" $((SECONDS - RSTART)) "$RUN_LIMIT"
+          record "real_model/mismatch_control" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" "$WHY"
+          [ "$S" = fail ] && WORST=fail
+          [ "$S" = cut ] && [ "$WORST" = pass ] && WORST=cut
           continue
         fi
         EXTRA=(actor.dtype="$V")
@@ -399,10 +472,10 @@ else
           --nvidia-smi "$OUT_DIR/parts/real_model_$V.smi.csv" --out "$OUT_DIR/parts/real_model_$V.json" \
           | sed 's/^/  /'
         PRC=${PIPESTATUS[0]}
-        S=$(status_of "$RC")
-        [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail
-        record "real_model/$V" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" \
-          "$([ "$S" = cut ] && echo "its ${RUN_LIMIT}s share of the part's slice ran out")"
+        classify "$RC" $((SECONDS - RSTART)) "$RUN_LIMIT"
+        [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail WHY="the run's report names its problems"
+        [ "$S" = cut ] && WHY="its ${RUN_LIMIT}s share of the part's slice ran out"
+        record "real_model/$V" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" "$WHY"
         [ "$S" = fail ] && WORST=fail
         [ "$S" = cut ] && [ "$WORST" = pass ] && WORST=cut
       done
@@ -436,8 +509,8 @@ else
     LOG="$OUT_DIR/logs/real_scale.log"
     echo "gpu_check: real scale: building the assets in $WORK/real, then gsm8k_m2po.yaml for $STEPS steps (log $LOG, limit ${SLICE}s)"
     smi_start real_scale
-    timeout -k 5 "$SLICE" bash -c '"$0" scripts/smoke_assets.py "$1/real" "${@:2}"' "$PY" "$WORK" "${ASSETS[@]}" > "$LOG" 2>&1 \
-      && timeout -k 5 "$(atleast1 $(( PART_START + SLICE - SECONDS )))" "$PY" examples/math/gsm8k_rl.py \
+    env "${SIZING_ENV[@]}" timeout -k 5 "$SLICE" bash -c '"$0" scripts/smoke_assets.py "$1/real" "${@:2}"' "$PY" "$WORK" "${ASSETS[@]}" > "$LOG" 2>&1 \
+      && env "${SIZING_ENV[@]}" timeout -k 5 "$(atleast1 $(( PART_START + SLICE - SECONDS )))" "$PY" examples/math/gsm8k_rl.py \
         --config examples/math/gsm8k_m2po.yaml trial_name=real-scale \
         actor.path="$WORK/real/model" train_dataset.path="$WORK/real/data" valid_dataset.path="$WORK/real/data" \
         cluster.fileroot="$OUT_DIR/runs" total_train_steps="$STEPS" rollout.fixed_staleness=0 actor.adv_norm=null \
@@ -451,10 +524,31 @@ else
       --device "$DEVICE" --nvidia-smi "$OUT_DIR/parts/real_scale.smi.csv" --log "$LOG" \
       --out "$OUT_DIR/parts/real_scale.json" | sed 's/^/  /'
     PRC=${PIPESTATUS[0]}
-    S=$(status_of "$RC")
-    [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail
-    record real_scale "$S" $((SECONDS - PART_START)) "$SLICE" \
-      "$([ "$S" = cut ] && echo "its ${SLICE}s slice ran out (the report lists the steps it finished)")"
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail WHY="the run's report names its problems"
+    [ "$S" = cut ] && WHY="its ${SLICE}s slice ran out (the report lists the steps it finished)"
+    record real_scale "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ long rows
+if [ "$ENV_OK" != 1 ]; then
+  record long skipped 0 0 "the environment failed"
+else
+  plan long
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    echo "gpu_check: long rows (one step at 4k and 8k tokens per row, 1.5B shape; CPU: 256 and 512; limit ${SLICE}s)"
+    smi_start long
+    env "${SIZING_ENV[@]}" timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_long.py --device "$DEVICE" \
+      --out "$OUT_DIR/parts/long.json" > "$OUT_DIR/logs/long.log" 2>&1
+    RC=$?
+    smi_stop
+    grep -A3 '^gpu_check long' "$OUT_DIR/logs/long.log" | sed 's/^/  /'
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: long rows exit code $RC; last lines of $OUT_DIR/logs/long.log:" >&2
+      tail_log "$OUT_DIR/logs/long.log"; fi
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    record long "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
   fi
 fi
 
@@ -473,8 +567,27 @@ else
     smi_stop
     if [ "$RC" -ne 0 ]; then echo "gpu_check: measurements exit code $RC; last lines of $OUT_DIR/logs/bench.log:" >&2
       tail_log "$OUT_DIR/logs/bench.log"; fi
-    record bench "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
-      "$([ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    record bench "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
+  fi
+fi
+
+# ------------------------------------------------------------------------------------------ m2po selection
+if [ "$ENV_OK" != 1 ]; then
+  record m2po_selection skipped 0 0 "the environment failed"
+else
+  plan m2po_selection
+  if [ "$SLICE" -gt 0 ]; then
+    PART_START=$SECONDS
+    echo "gpu_check: M2PO selection vs the elementwise floor (bench/m2po_selection.py; limit ${SLICE}s)"
+    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_m2po.py --device "$DEVICE" --out "$OUT_DIR/parts/m2po_selection.json" \
+      > "$OUT_DIR/logs/m2po_selection.log" 2>&1
+    RC=$?
+    grep -E '^(gpu_check m2po|  (ok|FAIL))' "$OUT_DIR/logs/m2po_selection.log" | sed 's/^/  /'
+    if [ "$RC" -ne 0 ]; then echo "gpu_check: M2PO selection exit code $RC; last lines of $OUT_DIR/logs/m2po_selection.log:" >&2
+      tail_log "$OUT_DIR/logs/m2po_selection.log"; fi
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    record m2po_selection "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
   fi
 fi
 
@@ -494,18 +607,18 @@ else
     grep -E '^smoke: (PASS|FAIL|SKIP)' "$OUT_DIR/logs/smoke.log" | sed 's/^/  /'
     if [ "$RC" -ne 0 ]; then echo "gpu_check: smoke runs exit code $RC; last lines of $OUT_DIR/logs/smoke.log:" >&2
       tail_log "$OUT_DIR/logs/smoke.log"; fi
-    record smoke "$(status_of $RC)" $((SECONDS - PART_START)) "$SLICE" \
-      "$([ "$(status_of $RC)" = cut ] && echo "its ${SLICE}s slice ran out")"
+    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
+    record smoke "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
   fi
 fi
 
 # ------------------------------------------------------------------------------------------ report
 if [ -n "$FETCH_PID" ] && kill -0 "$FETCH_PID" 2>/dev/null; then kill -- "$FETCH_PID" 2>/dev/null; fi
 echo
-timeout -k 2 "$((RESERVE - 3))" "$PY" scripts/gpu_check_report.py assemble "$OUT_DIR" --device "$DEVICE" \
-  --budget "$BUDGET" --elapsed "$(now)"
+timeout -k 2 "$((RESERVE - 5))" "$PY" scripts/gpu_check_report.py assemble "$OUT_DIR" --device "$DEVICE" \
+  --budget "$BUDGET" --elapsed "$(now)" --selected "$SELECTED"
 RC=$?
-if [ "$RC" -ne 0 ] && [ "$RC" -ne 1 ] && [ "$RC" -ne 3 ]; then
+if [ "$RC" -ne 0 ] && [ "$RC" -ne 1 ] && [ "$RC" -ne 3 ] && [ "$RC" -ne 4 ]; then
   echo "gpu_check: FAIL writing the report (exit $RC); the parts' files are in $OUT_DIR" >&2
   RC=1
 fi
@@ -514,4 +627,10 @@ if [ -n "${STALERL_CHECK_REPORT:-}" ] && [ -f "$OUT_DIR/gpu_check_report.json" ]
 fi
 if [ "$MADE_WORK" = 1 ] && [ "${STALERL_CHECK_KEEP_WORK:-0}" != 1 ]; then rm -rf "$WORK"; fi
 echo "gpu_check: $(now)s of ${BUDGET}s; report $OUT_DIR/gpu_check_report.json"
+# the files to commit, raw and path-redacted by the script (console.log up to the line above)
+sleep 0.2
+EV_LIMIT=$(( BUDGET - $(now) )); [ "$EV_LIMIT" -gt 10 ] && EV_LIMIT=10; [ "$EV_LIMIT" -lt 2 ] && EV_LIMIT=2
+timeout -k 1 "$EV_LIMIT" "$PY" scripts/gpu_check_evidence.py "$OUT_DIR" --repo "$REPO" --work "$WORK" \
+  --also "wheels=$WHEELS" --also "gguf=$GGUF_DIR" --also "models=$MODEL_CACHE" \
+  || echo "gpu_check: writing $OUT_DIR/evidence failed (the report and the raw files are in $OUT_DIR)" >&2
 exit "$RC"

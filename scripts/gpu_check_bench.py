@@ -1,9 +1,14 @@
 """The GPU check's measurements beyond the real-scale run (scripts/gpu_check.sh, part 3), one JSON object:
 
 * ``logprob``: the training log-prob pass (forward + backward) at Qwen2.5-1.5B's head shape (hidden 1536, vocab
-  151,936) over one micro-batch of tokens, chunked (``stalerl.core.chunked_logprob``, the device's chunk) against
-  plain (``F.linear`` + ``stalerl.training.actor.token_logprobs``), in the run's compute dtype (bf16 autocast on
-  CUDA); best of a few passes, and the peak memory each adds (CUDA allocator). CPU dry mode: hidden 64, few tokens.
+  151,936) over one micro-batch of tokens (``examples/math/gsm8k_m2po.yaml``'s ``actor.mb_spec.max_tokens_per_mb``,
+  8,192), chunked (``stalerl.core.chunked_logprob``, the device's chunk) against plain (``F.linear`` +
+  ``stalerl.training.actor.token_logprobs``), in the run's compute dtype (bf16 autocast on CUDA); best of a few
+  passes, and the peak memory each adds (CUDA allocator). On CUDA the memory ratio is a checked entry:
+  ``chunked_peak / plain_peak <= MEMORY_RATIO_MAX``: the plain pass holds the (tokens x vocab) bf16 logits, their
+  float32 copy and its gradient (>= 10 bytes per logit: 12.4 GB at 8,192 x 151,936), the chunked one a chunk's
+  temporaries (3 x 2^28 x 4 bytes at the cap) and the weight gradient (0.9 GiB); measured 3.6 vs 36.6 GiB at 16,384
+  tokens on an H200. CPU dry mode: hidden 64, 64 tokens, no memory figure (recorded as not measured).
 * ``vllm``: generation tokens/s of stalerl's vLLM engine with CUDA graphs (``enforce_eager=false``, the CUDA
   default) and without (``enforce_eager=true``), each engine in its own process; the weight-sync path it chose
   (``ipc`` colocated on CUDA, ``reload`` on the CPU build) and that path's time per sync. Skipped, and said so, where
@@ -27,8 +32,26 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-HEAD_SHAPE = {"cuda": dict(hidden=1536, vocab=151_936, tokens=16_384),  # one 16k-token micro-batch
+HEAD_SHAPE = {"cuda": dict(hidden=1536, vocab=151_936),  # tokens: the shipped config's micro-batch (config_tokens)
               "cpu": dict(hidden=64, vocab=151_936, tokens=64)}
+MEMORY_RATIO_MAX = 0.5  # chunked peak / plain peak on CUDA (the docstring's sizes give ~0.3 at 8,192 tokens)
+
+
+def config_tokens(config: Path = REPO / "examples/math/gsm8k_m2po.yaml") -> int:
+    """Tokens of one training micro-batch in the shipped GPU config (actor.mb_spec.max_tokens_per_mb)."""
+    from stalerl.config import load_config
+
+    return int(load_config(["--config", str(config)]).actor.mb_spec.max_tokens_per_mb)
+
+
+def memory_entry(chunked_gib: Optional[float], plain_gib: Optional[float]) -> dict[str, Any]:
+    """The checked memory ratio (CUDA): a missing figure fails it too."""
+    ratio = chunked_gib / plain_gib if chunked_gib is not None and plain_gib else float("nan")
+    ok = ratio == ratio and ratio <= MEMORY_RATIO_MAX
+    return {"check": "bench/logprob_memory", "dtype": "bfloat16", "quantity": "chunked peak / plain peak",
+            "error": ratio, "tolerance": MEMORY_RATIO_MAX, "comparison": "<=", "passed": bool(ok),
+            "rule": "the plain head's (tokens x vocab) logits, their float32 copy and gradient against one chunk's "
+                    "temporaries and the weight gradient: at most half"}
 GEN = {"cuda": dict(prompts=64, n=1, max_new_tokens=128), "cpu": dict(prompts=2, n=1, max_new_tokens=4)}
 CHILD_TIMEOUT_S = 100  # one engine: start (CUDA graph capture included), two generations, two syncs
 
@@ -69,7 +92,8 @@ def logprob_bench(device: str, repeats: int = 3) -> dict[str, Any]:
     from stalerl.core.model import autocast_context
     from stalerl.training.actor import token_logprobs
 
-    shape = HEAD_SHAPE[device]
+    shape = dict(HEAD_SHAPE[device])
+    shape.setdefault("tokens", config_tokens())
     dev = torch.device(device)
     dtype = "bfloat16" if device == "cuda" else "float32"
     g = torch.Generator(device=device).manual_seed(0)
@@ -95,6 +119,14 @@ def logprob_bench(device: str, repeats: int = 3) -> dict[str, Any]:
            "time_ratio": chunked_s / plain_s if plain_s > 0 else None}
     if chunked_peak is not None:
         out.update(chunked_peak_gib=chunked_peak, plain_peak_gib=plain_peak)
+    if device == "cuda":
+        out["entries"] = [memory_entry(chunked_peak, plain_peak)]
+        out["ok"] = out["entries"][0]["passed"]
+        if not out["ok"]:
+            out["why"] = (f"chunked / plain peak memory {out['entries'][0]['error']:.3g} > {MEMORY_RATIO_MAX} "
+                          "(or not measured)")
+    else:
+        out["memory"] = "not measured on CPU (the CUDA allocator's peaks)"
     return out
 
 
@@ -106,8 +138,12 @@ def vllm_skip_reason(device: str, n_gpus: int, need_gpus: int = 1) -> Optional[s
     if os.environ.get("STALERL_CHECK_VLLM", "1") == "0":
         return "STALERL_CHECK_VLLM=0"
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not importable here (the bare CUDA image has none, and its GPU wheel is larger than what "
-                "a GPU slot can carry); install stalerl[vllm] on the GPU machine to measure it")
+        import torch
+
+        return (f"vLLM is not importable here: this image has torch {torch.__version__} and no vLLM; vLLM 0.32-0.34 "
+                "pin torch 2.13 / 2.14 (several GB of wheels) and the GPU machine has no package registry, so it "
+                "cannot be installed there; the GPU vLLM path is tested on CPU only (docs/gpu.md, 'vLLM on the GPU': "
+                "the commands to run where a registry is reachable)")
     if device == "cuda" and n_gpus < need_gpus:
         return f"needs {need_gpus} GPUs, {n_gpus} visible"
     return None
@@ -290,7 +326,8 @@ def format_bench(bench: dict[str, Any]) -> list[str]:
     if lp.get("ok") is False:
         lines.append(f"  log-probs: FAILED: {lp.get('why')}")
     elif lp.get("run"):
-        mem = (f"; peak +{lp['chunked_peak_gib']:.2f} vs +{lp['plain_peak_gib']:.2f} GiB"
+        mem = (f"; peak +{lp['chunked_peak_gib']:.2f} vs +{lp['plain_peak_gib']:.2f} GiB "
+               f"(ratio {lp['chunked_peak_gib'] / max(lp['plain_peak_gib'], 1e-12):.3g} <= {MEMORY_RATIO_MAX})"
                if "chunked_peak_gib" in lp else "")
         lines.append(f"  log-probs fwd+bwd, {lp['tokens']} tokens x hidden {lp['hidden']} x vocab {lp['vocab']} "
                      f"({lp['dtype']}): chunked ({lp['chunk_tokens']} tokens/chunk) {lp['chunked_s']:.4g} s, plain "
