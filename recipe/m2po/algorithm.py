@@ -13,15 +13,19 @@ Pure torch. With d = log(pi_theta / pi_behaviour) per token and A the advantage:
    weigh it by |A| e^20). The selection uses the unclamped d.
 
 Fast selection. A token with d^2 <= tau can never be masked: the prefix means of the ascending d^2 of T never
-decrease, and a prefix ending at a value <= tau has mean <= tau. So only the "high" tokens (d^2 > tau) are sorted,
-and the low ones enter as one sum and one count. Under a realistic stale distribution the high set is a few per cent
-of the tokens, so the cost is one elementwise pass plus a small sort. The pass runs in cache-sized slices on CPU and
-over the whole tensor on accelerators (a constant number of host syncs there). The d^2 > tau test is exact: tau is
-replaced by the largest float32 <= tau, so a float32 d^2 just above tau can never hide among the low tokens.
+decrease, and a prefix ending at a value <= tau has mean <= tau. So the low tokens enter as one sum and one count,
+and only the "high" tokens (d^2 > tau; a few per cent of a realistic stale batch) take part in the decision. One
+elementwise pass (in cache-sized slices on CPU, over the whole tensor on accelerators) finds T, the low sum and the
+high tokens; then a radix select over the high tokens' float32 bit patterns (recipe/m2po/radix_select.py: three
+histogram passes and a fixed search over the tied tokens, no sort, no host sync inside) finds where Algorithm 1
+stops, with its tie rule. Its decision is the sort's bit for bit; where it cannot prove that (an exact tie of a mean
+with tau, pathological magnitudes) it says so and the high tokens are sorted instead (``_sort_decision``). The d^2 >
+tau test is exact: tau is replaced by the largest float32 <= tau, so a float32 d^2 just above tau can never hide
+among the low tokens.
 
-Across data-parallel ranks (``group``), each rank contributes its low sum/count (all_reduce) and its high values
-(all_gather of variable-length lists), and every rank takes the identical decision; a rank with no tokens still
-joins the collectives.
+Across data-parallel ranks (``group``), each rank contributes its low sum/count and its histograms (all_reduce of
+fixed-size tensors) and its count of tokens tied at the boundary, and every rank takes the identical decision; a
+rank with no tokens still joins the collectives.
 
 Diagnostics by quadrant (not part of the selection, never read by the loss). The gradient weight of a token is
 |A r| (the loss is -A r per token, so d loss / d log pi = -A r). For each trust-region quadrant, ``pos_r_gt_1``
@@ -35,13 +39,13 @@ valid tokens, as ``m2po/masked_fraction``): the paper's masked-vs-clipped compar
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
-from recipe.m2po.declaration import DECLARATION
+from recipe.m2po.declaration import DECLARATION, QUADRANTS
+from recipe.m2po.radix_select import find_boundary, float32_floor
 from recipe.registry import register_policy_loss
 from recipe.common import (
     agg_loss,
@@ -54,28 +58,15 @@ from recipe.common import (
 DEFAULT_M2_THRESHOLD = DECLARATION.param("m2_threshold").default
 from recipe.m2po.declaration import SCOPES  # noqa: E402,F401 - re-exported (the declaration owns it)
 
-SELECTION_METRIC_KEYS = (
-    "m2po/m2_before",
-    "m2po/m2_after",
-    "m2po/masked_fraction",
-    "m2po/trust_region_fraction",
-    "m2po/num_valid_tokens",
-    "m2po/num_trust_region_tokens",
-    "m2po/num_masked_tokens",
-    "m2po/threshold",
-)
-# The trust region's two quadrants, named as in the authors' metrics (kl_pos_r_gt_1 / kl_neg_r_lt_1).
-QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
-QUADRANT_METRIC_KEYS = (
-    *(f"m2po/num_masked_{q}" for q in QUADRANTS),
-    *(f"m2po/masked_weight_share_{q}" for q in QUADRANTS),
-    "m2po/would_clip_fraction",
-)
+# The metric keys are the declaration's (recipe/m2po/declaration.py), in its order: the selection's own, then the
+# quadrant diagnostics (named as in the authors' metrics, kl_pos_r_gt_1 / kl_neg_r_lt_1) and the clip comparison.
+METRIC_KEYS = tuple(DECLARATION.metrics)
+WOULD_CLIP_KEY = "m2po/would_clip_fraction"
+QUADRANT_METRIC_KEYS = tuple(k for k in METRIC_KEYS if k.endswith(QUADRANTS) or k == WOULD_CLIP_KEY)
+SELECTION_METRIC_KEYS = tuple(k for k in METRIC_KEYS if k not in QUADRANT_METRIC_KEYS)
 # The paper's comparison on the same tokens: the share of valid tokens that PPO's clip at its default epsilon would
 # have zeroed (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps), beside the share M2PO masked. Diagnostic only.
 WOULD_CLIP_EPS = 0.2
-# What the loss (and the batch selector's selection) reports on every call.
-METRIC_KEYS = (*SELECTION_METRIC_KEYS, *QUADRANT_METRIC_KEYS)
 
 
 @dataclass(frozen=True)
@@ -106,24 +97,40 @@ def quadrant_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, trust_re
     ``ratio``: the loss's exp(clamp(d)) if the caller has it (no second exp); else computed from ``log_ratio``.
     One elementwise pass and one host sync (plus one all_reduce of 5 numbers with ``group``).
     """
-    t = trust_region.bool()
-    if ratio is None:
-        ratio = torch.exp(clamp_log_ratio(torch.where(t, log_ratio.detach().float(), torch.zeros((),
-                                                                                    device=t.device))))
-    zero = torch.zeros((), dtype=torch.float32, device=t.device)
-    # |A r| on T, 0 elsewhere (torch.where: padding may hold NaN, and T is False there)
-    w = torch.where(t, advantages.detach().float().abs() * ratio.detach().float(), zero)
-    gone = t & removed.bool()
-    pos = gone & (advantages.detach() > 0)
-    neg = gone & ~pos  # inside T, A != 0: the other quadrant
-    r = ratio.detach().float()
-    a = advantages.detach()
-    would_clip = t & (((a > 0) & (r > 1.0 + WOULD_CLIP_EPS)) | ((a < 0) & (r < 1.0 - WOULD_CLIP_EPS)))
+    device = trust_region.device
+    n = trust_region.numel()
+    t_all = trust_region.detach().reshape(-1).bool()
+    gone_all = removed.detach().reshape(-1).bool()
+    a_all = advantages.detach().reshape(-1)
+    r_all = ratio.detach().reshape(-1) if ratio is not None else None
+    d_all = log_ratio.detach().reshape(-1)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
     f64 = torch.float64
-    stats = torch.stack([
-        w.sum(dtype=f64), torch.where(pos, w, zero).sum(dtype=f64), torch.where(neg, w, zero).sum(dtype=f64),
-        torch.count_nonzero(pos).to(f64), torch.count_nonzero(neg).to(f64), torch.count_nonzero(would_clip).to(f64),
-    ])
+    # In cache-sized slices on CPU, as the selection's pass (a dozen full-size temporaries cost more in page faults
+    # than the arithmetic); one slice on accelerators.
+    chunk = _CPU_CHUNK if device.type == "cpu" else max(n, 1)
+    parts = []
+    for start in range(0, n, chunk):
+        part = slice(start, min(n, start + chunk))
+        t = t_all[part]
+        a = a_all[part].float()
+        if r_all is None:
+            r = torch.exp(clamp_log_ratio(torch.where(t, d_all[part].float(), zero)))
+        else:
+            r = r_all[part].float()
+        # |A r| on T, 0 elsewhere (padding may hold NaN, and T is False there)
+        w = (a * r).abs_().masked_fill_(~t, 0.0)
+        gone = t & gone_all[part]
+        a_pos = a > 0
+        pos = gone & a_pos
+        neg = gone & ~a_pos  # inside T, A != 0: the other quadrant
+        would_clip = t & ((a_pos & (r > 1.0 + WOULD_CLIP_EPS)) | ((a < 0) & (r < 1.0 - WOULD_CLIP_EPS)))
+        parts.append(torch.stack([
+            w.sum(dtype=f64), torch.where(pos, w, zero).sum(dtype=f64), torch.where(neg, w, zero).sum(dtype=f64),
+            torch.count_nonzero(pos).to(f64), torch.count_nonzero(neg).to(f64),
+            torch.count_nonzero(would_clip).to(f64),
+        ]))
+    stats = torch.stack(parts).sum(0) if parts else torch.zeros(6, dtype=f64, device=device)
     if group is not None:
         torch.distributed.all_reduce(stats, group=group)
     total, w_pos, w_neg, n_pos, n_neg, n_clip = stats.tolist()
@@ -159,10 +166,11 @@ class M2POSelection:
             "m2po/num_masked_tokens": float(self.num_masked),
             "m2po/threshold": float(self.threshold),
         }
-        if self.quadrants is not None:
-            out.update(self.quadrants.metrics())
-            out["m2po/would_clip_fraction"] = self.quadrants.num_would_clip / valid
-        return out
+        if self.quadrants is None:
+            return {key: out[key] for key in SELECTION_METRIC_KEYS}
+        out.update(self.quadrants.metrics())
+        out[WOULD_CLIP_KEY] = self.quadrants.num_would_clip / valid
+        return {key: out[key] for key in METRIC_KEYS}  # the declaration's keys, in its order
 
 
 def m2_threshold_from_config(config: Any) -> float:
@@ -183,36 +191,42 @@ def trust_region_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: 
     return valid.bool() & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
 
 
-def _validate_threshold(tau: float) -> float:
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(float(tau)) or tau < 0:
-        raise ValueError(f"m2_threshold must be a finite number >= 0, got {tau!r}")
-    return float(tau)
-
-
 # Elements per slice of the CPU pass: small enough that the temporaries stay in cache and come from the heap (a fresh
 # multi-MB buffer per elementwise op costs more in page faults than the op itself), large enough to amortise the
-# per-op overhead. On accelerators the pass runs over the whole tensor at once (one host sync).
+# per-op overhead. On accelerators the pass runs over the whole tensor at once.
 _CPU_CHUNK = 1 << 18
+# The pass gathers the high tokens into a short list (``nonzero``: one host sync on an accelerator, before the fixed
+# passes, none in them), so the radix passes read ~2-5% of the tokens. On a device named here the passes read a
+# full-size key tensor instead and nothing waits for the host until the result is read; off by default, because the
+# histograms' atomic adds then pile onto the slot of the tokens that are not high (most of them).
+_FULL_SIZE_DEVICES: tuple[str, ...] = ()
 
 
-def _float32_floor(tau: float) -> float:
-    """The largest float32 value <= tau. For a float32 x, ``x > tau`` (exact) iff ``x > _float32_floor(tau)``, and the
-    right-hand comparison is exact in float32 (comparing a float32 tensor with ``tau`` itself rounds tau first)."""
-    t32 = torch.tensor(tau, dtype=torch.float32)
-    if float(t32) > tau:
-        t32 = torch.nextafter(t32, torch.tensor(-math.inf, dtype=torch.float32))
-    return float(t32)
+@dataclass
+class _Pass:
+    """One pass over the local tokens (see :func:`_local_pass`)."""
+
+    in_t: torch.Tensor  # bool, shaped like the inputs: the trust region T
+    keys: torch.Tensor  # int32 float32-bit patterns of d^2 for the high tokens (d^2 > tau) of T
+    positions: Optional[torch.Tensor]  # int64 flat position of each key, ascending; None: keys is full-size
+    zeros: torch.Tensor  # int64 0-dim: entries of ``keys`` that are not high tokens (0 when compacted)
+    totals: torch.Tensor  # float64 [sum of the low d^2 of T, |T| - #high, #valid]
+
+    def high(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions, float32 d^2) of the high tokens, in token order."""
+        if self.positions is not None:
+            return self.positions, self.keys.view(torch.float32)
+        positions = self.keys.nonzero().squeeze(1)
+        return positions, self.keys[positions].view(torch.float32)
 
 
-def _local_pass(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, tau_lo: float,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One pass over the local tokens.
-
-    Returns (T as a bool mask shaped like ``valid``; flat indices of the high tokens (d^2 > tau), in token order;
-    their d^2 in float32; [sum of the low d^2 of T (float64), |T| - #high, #valid] as a float64 tensor).
+def _local_pass(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, tau_lo: float) -> _Pass:
+    """One pass over the local tokens: T, the high tokens' d^2 (as float32 bit patterns) and the low tokens' sum.
 
     Per token, e = sign(A) * d is > 0 exactly on the trust-region quadrants (sign(A) is exact, so the product is
     exactly +-d or 0); fmax(e, 0) turns everything else, NaN included, into 0, so e^2 is d^2 on T and 0 elsewhere.
+    The low sum is a float64 sum per slice of e with the high tokens zeroed, then the sum of the slices: the decision
+    compares means built on it, so it is computed the same way whichever selection reads it.
     """
     device = valid.device
     n = valid.numel()
@@ -220,9 +234,11 @@ def _local_pass(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.
     adv = advantages.detach().reshape(-1)
     ok = valid.reshape(-1)
     in_t = torch.empty(n, dtype=torch.bool, device=device)
+    compact = device.type not in _FULL_SIZE_DEVICES
     chunk = _CPU_CHUNK if device.type == "cpu" else max(n, 1)
+    keys_full = None if compact else torch.empty(n, dtype=torch.int32, device=device)
     zero = torch.zeros((), dtype=torch.float32, device=device)
-    idx_parts, val_parts, sum_parts = [], [], []
+    idx_parts, key_parts, sum_parts, high_parts = [], [], [], []
     for start in range(0, n, chunk):
         part = slice(start, min(n, start + chunk))
         e = torch.sign(adv[part])
@@ -233,27 +249,33 @@ def _local_pass(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.
         torch.fmax(e, zero, out=e)
         torch.gt(e, 0, out=in_t[part])
         e.mul_(e)  # d^2 in float32 on T, 0 elsewhere
-        idx = (e > tau_lo).nonzero().squeeze(1)
-        vals = e[idx]
-        e[idx] = 0.0
+        is_high = e > tau_lo
+        if compact:
+            idx = is_high.nonzero().squeeze(1)
+            key_parts.append(e[idx].view(torch.int32))
+            idx_parts.append(idx + start)
+            e[idx] = 0.0
+        else:
+            keys_full[part] = torch.where(is_high, e.view(torch.int32), 0)
+            high_parts.append(torch.count_nonzero(is_high))
+            e.masked_fill_(is_high, 0.0)
         sum_parts.append(e.sum(dtype=torch.float64))
-        idx_parts.append(idx + start)
-        val_parts.append(vals)
-    if idx_parts:
-        high_idx = torch.cat(idx_parts)
-        high_vals = torch.cat(val_parts)
-        low_sum = torch.stack(sum_parts).sum()
+    low_sum = torch.stack(sum_parts).sum() if sum_parts else torch.zeros((), dtype=torch.float64, device=device)
+    if compact:
+        keys = torch.cat(key_parts) if key_parts else torch.zeros(0, dtype=torch.int32, device=device)
+        positions = torch.cat(idx_parts) if idx_parts else torch.zeros(0, dtype=torch.int64, device=device)
+        num_high = torch.tensor(keys.numel(), device=device)
+        zeros = torch.zeros((), dtype=torch.int64, device=device)
     else:
-        high_idx = torch.zeros(0, dtype=torch.int64, device=device)
-        high_vals = torch.zeros(0, dtype=torch.float32, device=device)
-        low_sum = torch.zeros((), dtype=torch.float64, device=device)
-    n_t = torch.count_nonzero(in_t)
+        keys, positions = keys_full, None
+        num_high = torch.stack(high_parts).sum() if high_parts else torch.zeros((), dtype=torch.int64, device=device)
+        zeros = n - num_high
     totals = torch.stack([
         low_sum,
-        (n_t - high_idx.numel()).to(torch.float64),
+        (torch.count_nonzero(in_t) - num_high).to(torch.float64),
         torch.count_nonzero(ok).to(torch.float64),
     ])
-    return in_t.view(valid.shape), high_idx, high_vals, totals
+    return _Pass(in_t=in_t.view(valid.shape), keys=keys, positions=positions, zeros=zeros, totals=totals)
 
 
 def _sort_by_value_then_position(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,29 +295,27 @@ def _sort_by_value_then_position(values: torch.Tensor) -> tuple[torch.Tensor, to
     return sorted_vals, order
 
 
-@torch.no_grad()
-def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, tau: float,
-                *, group: Optional[Any] = None) -> M2POSelection:
-    """Algorithm 1 over all valid tokens of the given tensors (and of every rank of ``group``, if given).
+@dataclass
+class _Decision:
+    """Which local high tokens are kept, and the sums the diagnostics need (0-dim float64, all ranks)."""
 
-    ``log_ratio`` is log(pi_theta/pi_behaviour); any float dtype (squared in fp32). Returns the keep mask and the
-    diagnostics. With ``group``, every rank of the group must call this the same number of times.
-    """
-    tau = _validate_threshold(tau)
-    valid = response_mask.bool()
+    keep_high: torch.Tensor  # bool per local high token (in ``_Pass.high()`` order), or per entry of a full-size pass
+    kept: torch.Tensor  # high tokens kept
+    kept_sum: torch.Tensor  # their sum of d^2
+    high: torch.Tensor  # high tokens
+    high_sum: torch.Tensor  # their sum of d^2
+
+
+def _sort_decision(high_vals: torch.Tensor, low_sum: torch.Tensor, low_count: torch.Tensor, tau: float,
+                   group: Optional[Any]) -> _Decision:
+    """Algorithm 1 by sorting the high tokens (all ranks): the definition the radix select reproduces bit for bit
+    (recipe/m2po/radix_select.py), used where it cannot prove it does."""
     f64 = torch.float64
-    device = valid.device
-    # low (d^2 <= tau) tokens of T are never masked, so they enter only as a sum and a count:
-    # totals = [low sum, low count, valid count].
-    in_t, flat_idx, high_vals, totals = _local_pass(log_ratio, advantages, valid, _float32_floor(tau))
-
+    device = high_vals.device
     if group is not None:
         all_vals, offset = _gather_variable(high_vals, group)
-        torch.distributed.all_reduce(totals, group=group)
     else:
         all_vals, offset = high_vals, 0
-
-    low_sum, low_count, num_valid = totals[0], totals[1], totals[2]
     # Stable ascending sort: among ties the earlier token sorts first and is kept longer (later ones go first).
     sorted_vals, order = _sort_by_value_then_position(all_vals)
     sorted64 = sorted_vals.to(f64)
@@ -307,28 +327,81 @@ def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask
     keep_sorted = torch.arange(sorted64.numel(), device=device) < n_keep_high
     keep_all = torch.empty_like(keep_sorted)
     keep_all[order] = keep_sorted
-    keep_high_local = keep_all[offset:offset + high_vals.numel()]
+    return _Decision(keep_high=keep_all[offset:offset + high_vals.numel()], kept=n_keep_high.to(f64),
+                     kept_sum=(sorted64 * keep_sorted).sum(), high=torch.tensor(float(sorted64.numel()),
+                                                                                dtype=f64, device=device),
+                     high_sum=sorted64.sum())
 
+
+def _radix_decision(keys: torch.Tensor, zeros: torch.Tensor, totals: torch.Tensor, tau: float,
+                    group: Optional[Any]) -> tuple[_Decision, torch.Tensor]:
+    """Algorithm 1 without sorting (recipe/m2po/radix_select.py); also returns whether it is provably the sort's."""
+    b = find_boundary(keys, zeros, totals[0], totals[1], totals[2], tau, group=group,
+                      narrow=keys.device.type == "cpu")
+    high = keys > 0  # a full-size pass holds 0 where a token is not high; a high token's d^2 is > tau >= 0
+    tie = (keys == b.key) & high
+    ties_before = torch.cumsum(tie, 0) - tie.to(torch.int64)  # earlier local tokens equal to v*
+    keep_ties = b.keep_ties
+    if group is not None:  # ranks in order: this rank's ties come after those of the ranks before it
+        dist = torch.distributed
+        per_rank = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=keys.device)
+        per_rank[dist.get_rank(group)] = tie.sum()
+        dist.all_reduce(per_rank, group=group)
+        keep_ties = keep_ties - per_rank[:dist.get_rank(group)].sum()
+    masked = (keys > b.key) | (tie & (ties_before >= keep_ties))
+    return _Decision(keep_high=~masked, kept=b.kept, kept_sum=b.kept_sum, high=b.high, high_sum=b.high_sum), b.exact
+
+
+@torch.no_grad()
+def select_m2po(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, tau: float,
+                *, group: Optional[Any] = None) -> M2POSelection:
+    """Algorithm 1 over all valid tokens of the given tensors (and of every rank of ``group``, if given).
+
+    ``log_ratio`` is log(pi_theta/pi_behaviour); any float dtype (squared in fp32). Returns the keep mask and the
+    diagnostics. With ``group``, every rank of the group must call this the same number of times.
+    """
+    tau = DECLARATION.param("m2_threshold").check(tau)
+    valid = response_mask.bool()
+    # low (d^2 <= tau) tokens of T are never masked, so they enter only as a sum and a count:
+    # totals = [low sum, low count, valid count].
+    local = _local_pass(log_ratio, advantages, valid, float32_floor(tau))
+    totals = local.totals
+    if group is not None:
+        torch.distributed.all_reduce(totals, group=group)
+    low_sum, low_count, num_valid = totals[0], totals[1], totals[2]
+
+    decision, exact = _radix_decision(local.keys, local.zeros, totals, tau, group)
+    stats = _selection_stats(decision, low_sum, low_count, num_valid, exact).tolist()  # the one host sync
+    positions = local.positions
+    if not stats[-1]:  # rare (recipe/m2po/radix_select.py): take the sort's decision, which the radix one reproduces
+        positions, high_vals = local.high()
+        decision = _sort_decision(high_vals, low_sum, low_count, tau, group)
+        stats = _selection_stats(decision, low_sum, low_count, num_valid, exact).tolist()
     keep_flat = valid.flatten().clone()
-    keep_flat[flat_idx] = keep_high_local
-    keep_mask = keep_flat.view_as(valid)
-
-    kept_high_sum = (sorted64 * keep_sorted).sum()
-    n_high = torch.tensor(float(sorted64.numel()), dtype=f64, device=device)
-    n_keep_f = n_keep_high.to(f64)
-    kept_sum = low_sum + kept_high_sum
-    kept_cnt = low_count + n_keep_f
-    all_sum = low_sum + sorted64.sum()
-    all_cnt = low_count + n_high
-    stats = torch.stack([
-        num_valid, all_cnt, n_high - n_keep_f,
-        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
-        torch.where(kept_cnt > 0, kept_sum / kept_cnt.clamp(min=1), torch.zeros((), dtype=f64, device=device)),
-    ]).tolist()
+    if positions is not None:
+        keep_flat[positions] = decision.keep_high
+    else:  # a full-size decision: True wherever a token is not high
+        keep_flat &= decision.keep_high
     return M2POSelection(
-        keep_mask=keep_mask, trust_region=in_t, num_valid=int(stats[0]), num_trust_region=int(stats[1]),
-        num_masked=int(stats[2]), m2_before=stats[3], m2_after=stats[4], threshold=tau,
+        keep_mask=keep_flat.view_as(valid), trust_region=local.in_t, num_valid=int(stats[0]),
+        num_trust_region=int(stats[1]), num_masked=int(stats[2]), m2_before=stats[3], m2_after=stats[4],
+        threshold=tau,
     )
+
+
+def _selection_stats(d: _Decision, low_sum: torch.Tensor, low_count: torch.Tensor, num_valid: torch.Tensor,
+                     exact: torch.Tensor) -> torch.Tensor:
+    """[#valid, |T|, #masked, M2 of T, M2 of the kept tokens of T, exact] as one float64 tensor (one sync)."""
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=low_sum.device)
+    kept_sum, kept_cnt = low_sum + d.kept_sum, low_count + d.kept
+    all_sum, all_cnt = low_sum + d.high_sum, low_count + d.high
+    return torch.stack([
+        num_valid, all_cnt, d.high - d.kept,
+        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), zero),
+        torch.where(kept_cnt > 0, kept_sum / kept_cnt.clamp(min=1), zero),
+        exact.to(f64),
+    ])
 
 
 def _gather_variable(values: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
@@ -429,10 +502,12 @@ def compute_policy_loss_m2po(
         if keep_mask.shape != valid.shape:
             raise ValueError(f"m2po: keep_mask has shape {tuple(keep_mask.shape)}, expected {tuple(valid.shape)}")
         selection = selection_from_mask(d, advantages, valid, keep_mask, tau)
-    keep = selection.keep_mask & valid
-    adv = torch.where(valid, advantages.detach().float(), torch.zeros((), device=valid.device))
+    keep = selection.keep_mask  # False on padding (select_m2po and selection_from_mask both make it so)
+    # -A on the kept tokens, 0 elsewhere (padding's garbage included): a constant, so the graph holds one product.
+    # The same numbers as where(keep, -A * r, 0), since r = exp(clamp(d)) is finite and positive.
+    coef = torch.where(keep, advantages.detach().float().neg(), torch.zeros((), device=valid.device))
     ratio = torch.exp(clamp_log_ratio(d))
-    per_token = torch.where(keep, -adv * ratio, torch.zeros_like(ratio))
+    per_token = coef * ratio
     if rollout_is_weights is not None:
         per_token = per_token * torch.where(valid, rollout_is_weights.detach().float(), torch.zeros_like(ratio))
     loss = agg_loss(per_token, valid, loss_agg_mode, **global_batch_info(config))

@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import recipe.m2po.algorithm as algo
 from recipe.m2po import compute_policy_loss_m2po, m2po_batch_selector, select_m2po
 
 NUM_FEATURES = 3
@@ -36,12 +37,25 @@ def _part(g: torch.Generator, lengths: list[int], width: int) -> dict:
     }
 
 
+def _tied_part(g: torch.Generator, rows: int, width: int) -> dict:
+    """Every row: 2 tokens of d ~ 0.5 (d^2 ~ 0.25), the rest d ~ 0.1 (0.01), A = 1: at tau 0.04 two such ranks of 5
+    rows of width 12 keep 14 of their 20 tied tokens, so the boundary falls inside rank 1's ties."""
+    d = torch.full((rows, width), 0.1)
+    d[:, :2] = 0.5
+    old = -torch.rand(rows, width, generator=g) * 2
+    mask = torch.ones(rows, width, dtype=torch.bool)
+    return {"lp_base": old + d, "old": old, "adv": torch.ones(rows, width), "mask": mask,
+            "feats": torch.randn(rows, width, NUM_FEATURES, generator=g)}
+
+
 def make_case(name: str) -> dict:
     g = torch.Generator().manual_seed(1234)
     if name == "uneven":  # different widths, rows and valid-token counts per rank
         ranks = [_part(g, [9, 5, 7, 0], 9), _part(g, [6, 2, 4], 6)]
     elif name == "rank1_empty":  # rank 1 holds rows but no valid token
         ranks = [_part(g, [10, 8, 3, 10, 6], 10), _part(g, [0, 0], 3)]
+    elif name == "ties_across_ranks":  # the tie rule across ranks: rank 0's tied tokens come first
+        ranks = [_tied_part(g, 5, 12), _tied_part(g, 5, 12)]
     else:
         raise ValueError(name)
     return {"name": name, "ranks": ranks}
@@ -71,6 +85,22 @@ def _run_case(rank: int, world: int, out_dir: str, case: dict, tau: float) -> No
     out["selection"] = {"keep": sel.keep_mask, "num_valid": sel.num_valid,
                         "num_trust_region": sel.num_trust_region, "num_masked": sel.num_masked,
                         "m2_before": sel.m2_before, "m2_after": sel.m2_after}
+    # the pass without compaction (a full-size key tensor), and the sort the radix select replaces
+    full_size, radix = algo._FULL_SIZE_DEVICES, algo._radix_decision
+    try:
+        algo._FULL_SIZE_DEVICES = ("cpu",)
+        out["selection_full_size"] = select_m2po(part["lp_base"] - old, adv, mask, tau,
+                                                 group=dist.group.WORLD).keep_mask
+        algo._FULL_SIZE_DEVICES = full_size
+
+        def never_exact(*args, **kwargs):
+            decision, exact = radix(*args, **kwargs)
+            return decision, torch.zeros_like(exact)
+
+        algo._radix_decision = never_exact
+        out["selection_sort"] = select_m2po(part["lp_base"] - old, adv, mask, tau, group=dist.group.WORLD).keep_mask
+    finally:
+        algo._FULL_SIZE_DEVICES, algo._radix_decision = full_size, radix
 
     for method in ("selector", "dp_group"):
         theta = torch.zeros(NUM_FEATURES, requires_grad=True)

@@ -20,8 +20,12 @@ from typing import Sequence
 
 
 def f32(x: float) -> float:
-    """Round a Python float to the nearest float32 (ties to even), as a Python float."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
+    """Round a Python float to the nearest float32 (ties to even), as a Python float; beyond float32's range that is
+    +-inf, as IEEE rounding (and the implementation's float32 square) gives (``struct`` refuses to pack it)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _mean(values: list[float]) -> float:

@@ -892,7 +892,7 @@ def _unsplit_reference(case, tau):
             "width": width}
 
 
-DIST_CASES = ("uneven", "rank1_empty")
+DIST_CASES = ("uneven", "rank1_empty", "ties_across_ranks")
 
 
 @pytest.fixture(scope="module")
@@ -934,6 +934,9 @@ def test_two_process_gloo_matches_unsplit(dist_results, case_name):
             torch.testing.assert_close(out["theta_grad_avg"], ref["theta_grad"], rtol=1e-5, atol=1e-8)
         sel = res["selection"]
         assert torch.equal(sel["keep"], ref["sel"].keep_mask[rows, :w])
+        # the same mask from the full-size pass (no compaction) and from the sort the radix select replaces
+        assert torch.equal(res["selection_full_size"], sel["keep"])
+        assert torch.equal(res["selection_sort"], sel["keep"])
         for key in ("num_valid", "num_trust_region", "num_masked"):
             assert sel[key] == getattr(ref["sel"], key), key
         assert sel["m2_before"] == pytest.approx(ref["sel"].m2_before, rel=1e-12)
