@@ -1,12 +1,14 @@
 """Pieces every policy loss here shares: reading config, verl-exact loss aggregation, input guards.
 
+Values are read and checked by the declarations (``LossDeclaration.read``, ``read_clip``: one validation,
+``Param.check``); the readers here only find a key.
+
 Pure torch. ``config`` may be a verl ``ActorConfig`` dataclass, an OmegaConf ``DictConfig``, a plain dict, an
 object with attributes, or None; every reader accepts all of them.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -32,25 +34,6 @@ def cfg_lookup(config: Any, paths: tuple[str, ...], default: Any) -> tuple[Any, 
     """First present value among dotted ``paths`` (e.g. ``policy_loss.m2_threshold``); returns (value, path)."""
     value, path = _config_lookup(config, paths)
     return (default, paths[-1]) if value is _MISSING else (value, path)
-
-
-def read_float(config: Any, paths: tuple[str, ...], default: float, *, minimum: float = -math.inf,
-               minimum_inclusive: bool = True) -> float:
-    """A finite float from config, checked against ``minimum``; the error names the key that was read."""
-    value, path = cfg_lookup(config, paths, default)
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{path} must be a number, got {value!r} ({type(value).__name__})") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{path} must be finite, got {value!r}")
-    below = number < minimum if minimum_inclusive else number <= minimum
-    if below:
-        relation = ">=" if minimum_inclusive else ">"
-        raise ValueError(f"{path} must be {relation} {minimum}, got {number}")
-    return number
 
 
 def global_batch_info(config: Any) -> dict[str, Any]:
@@ -109,6 +92,12 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg_mode!r}")
 
 
+class NonFiniteLogProbError(ValueError):
+    """A loss was handed non-finite log-probs or advantages on valid tokens: the run has diverged (or its rollout
+    engine's log-probs are broken). A ValueError, so callers that catch those still do; a trainer tells divergence
+    apart by this type, never by the message."""
+
+
 def check_inputs(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                  response_mask: torch.Tensor, rollout_is_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Validate shapes and finiteness on valid tokens; returns the boolean valid mask.
@@ -138,7 +127,7 @@ def check_inputs(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, 
                 where.append(f"{label}: {n} (first at row {first[0]}, token {first[1]})")
         hint = ("check the rollout engine's behaviour log-probs (a token sampled outside top-k/top-p has -inf "
                 "log-prob: sample with top_k=0, top_p=1) and the reward/advantage normalisation (0/0 gives NaN)")
-        raise ValueError(f"{name}: non-finite values on valid tokens: {'; '.join(where)}; {hint}")
+        raise NonFiniteLogProbError(f"{name}: non-finite values on valid tokens: {'; '.join(where)}; {hint}")
     return valid
 
 

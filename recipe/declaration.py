@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -29,6 +30,9 @@ STEP_NEEDS = ("nothing", "batch_selector", "row_selector")
 COMBINE = ("mean", "sum", "max")
 #: The counts every caller knows per micro-batch, by which a ``mean`` metric may be weighted.
 CALLER_WEIGHTS = ("valid_tokens", "rows")
+#: The two trust-region quadrants whose tokens a clip (or M2PO's mask) acts on, as metric-key suffixes: A > 0 with
+#: r > 1, and A < 0 with r < 1. Defined once; the losses' declarations name their per-quadrant metrics with them.
+TRUST_REGION_QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
 
 _MISSING = object()
 
@@ -82,8 +86,8 @@ class Param:
         ``framework``'s default)."""
         key = key or self.name
         default = self.default_in(framework)
-        fix = f"Fix: set {key}={default!r}" if not isinstance(default, bool) else \
-            f"Fix: set {key}={str(default).lower()}"
+        fix = (f"Fix: unset {key} (default: off)" if default is None else
+               f"Fix: set {key}={str(default).lower()}" if isinstance(default, bool) else f"Fix: set {key}={default!r}")
         if self.kind is bool:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, got {value!r} ({type(value).__name__}). {fix}.")
@@ -93,7 +97,7 @@ class Param:
                 expected = f"one of {', '.join(self.choices)}" if self.choices is not None else "a string"
                 raise ValueError(f"{key} must be {expected}, got {value!r}. {fix}.")
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: "0.04" is a typo'd config
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # strict: "0.04" is a typo'd config
             raise ValueError(f"{key} must be a number, got {value!r} ({type(value).__name__}). {fix}.")
         number = self.kind(value)
         if not math.isfinite(float(number)):
@@ -136,6 +140,81 @@ def mean_over(weight: str) -> Metric:
     return Metric("mean", weight)
 
 
+@dataclass(frozen=True)
+class SharedParams:
+    """Parameters several losses read under one name each: a group a loss opts into (``LossDeclaration.ppo_clip``),
+    declared once here, so no loss and no adapter keeps its own lookup of them.
+
+    ``keys``: per parameter, the config keys read, first found wins (verl's name first, then the runtime's); a
+    parameter whose default is None with ``fallback`` set defaults to that other parameter's value.
+    """
+
+    name: str
+    params: tuple[Param, ...]
+    keys: Mapping[str, tuple[str, ...]]
+    fallback: Mapping[str, str] = field(default_factory=dict)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"the {self.name} group has no parameter {name!r}")
+
+    def read(self, config: Any) -> dict[str, Any]:
+        """{parameter: value} from ``config``, each checked by its :meth:`Param.check` under the key it was read
+        from; an absent key is its default (or its ``fallback``'s value)."""
+        out: dict[str, Any] = {}
+        for p in self.params:
+            value, path = _lookup(config, self.keys[p.name])
+            if value is _MISSING:
+                out[p.name] = out[self.fallback[p.name]] if p.name in self.fallback else p.default
+            else:
+                out[p.name] = p.check(value, path)
+        return out
+
+
+class PPOClip(tuple):
+    """``(eps_low, eps_high, dual_clip)``: the PPO clip a loss reads (``dual_clip`` None: no dual clip)."""
+
+    __slots__ = ()
+
+    def __new__(cls, low: float, high: float, dual: Optional[float]) -> "PPOClip":
+        return super().__new__(cls, (low, high, dual))
+
+    low = property(lambda self: self[0])
+    high = property(lambda self: self[1])
+    dual = property(lambda self: self[2])
+
+
+class _PPOClipGroup(SharedParams):
+    def read(self, config: Any) -> PPOClip:  # type: ignore[override]
+        values = super().read(config)
+        return PPOClip(values["eps_clip"], values["eps_clip_higher"], values["c_clip"])
+
+
+#: The PPO clip, shared by every loss that clips (``LossDeclaration.ppo_clip`` says which of its keys a loss reads):
+#: the runtime's ``actor.eps_clip`` / ``eps_clip_higher`` / ``c_clip``, verl's ``clip_ratio_low`` / ``clip_ratio_high``
+#: / ``clip_ratio_c`` (and its older ``clip_ratio``), TRL's and ms-swift's ``epsilon`` / ``epsilon_high``.
+PPO_CLIP = _PPOClipGroup(
+    name="ppo_clip",
+    params=(
+        Param("eps_clip", 0.2, "PPO clip range (lower side; also the upper side unless eps_clip_higher is set).",
+              ge=0.0, names={"verl": "clip_ratio_low", "trl": "epsilon", "swift": "epsilon"}),
+        Param("eps_clip_higher", None, "Upper PPO clip range (clip-higher); null = eps_clip.", ge=0.0,
+              names={"verl": "clip_ratio_high", "trl": "epsilon_high", "swift": "epsilon_high"}),
+        Param("c_clip", None, "Dual-clip constant (> 1) for negative advantages; null = off.", gt=1.0,
+              names={"verl": "clip_ratio_c"}),
+    ),
+    keys={"eps_clip": ("clip_ratio_low", "clip_ratio", "eps_clip"),
+          "eps_clip_higher": ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"),
+          "c_clip": ("clip_ratio_c", "c_clip")},
+    fallback={"eps_clip_higher": "eps_clip"},
+)
+
+
 # A cross-parameter rule: (the loss's parameter values, the PPO clip (eps_low, eps_high)) -> [(param, problem)].
 Rule = Callable[[Mapping[str, Any], tuple[float, float]], list[tuple[str, str]]]
 
@@ -151,6 +230,15 @@ class LossDeclaration:
     - ``diagnostics``: the metrics a run summary keeps for this loss (without the ``actor/`` prefix).
     - ``rules``: cross-parameter checks, run by every surface before the first update.
     - ``framework_names``: the loss's name in a framework's registry where it differs (verl: ``stalerl_vanilla``).
+    - ``ppo_clip``: the keys of the shared PPO-clip group (:data:`PPO_CLIP`) the loss reads (``uses_ppo_clip=True``
+      means ``eps_clip`` and ``eps_clip_higher``); read with :meth:`read_clip`, named per framework by the group.
+    - ``algorithm``: the module that registers the loss's function, imported on first use (a plugin's entry point
+      names its torch-free declaration module; the arithmetic loads when the loss is first looked up).
+    - ``without_drift``: for a loss that acts only through the drift between the behaviour and the current policy
+      (FIPO), what it reduces to when a run has none; the runtime then warns with this text.
+    - ``split_probe``: on first use of a plugin's loss (one whose step needs nothing but its token count), the
+      registry checks once, on a small random batch, that its step's loss and gradient do not change when the step
+      is split (``recipe.split_probe``), and logs a warning if they do; ``False`` opts out.
     """
 
     name: str
@@ -162,10 +250,21 @@ class LossDeclaration:
     uses_ppo_clip: bool = False
     rules: tuple[Rule, ...] = ()
     framework_names: Mapping[str, str] = field(default_factory=dict)
+    ppo_clip: tuple[str, ...] = ()
+    algorithm: str = ""
+    split_probe: bool = True
+    without_drift: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"LossDeclaration.name must be a non-empty string, got {self.name!r}")
+        if self.uses_ppo_clip and not self.ppo_clip:
+            object.__setattr__(self, "ppo_clip", ("eps_clip", "eps_clip_higher"))
+        object.__setattr__(self, "uses_ppo_clip", bool(self.ppo_clip))
+        unknown = [k for k in self.ppo_clip if k not in PPO_CLIP.names()]
+        if unknown:
+            raise ValueError(f"loss {self.name!r}: ppo_clip keys {unknown} are not in the PPO-clip group; expected "
+                             f"some of {', '.join(PPO_CLIP.names())}")
         if self.step not in STEP_NEEDS:
             raise ValueError(f"loss {self.name!r}: step must be one of {', '.join(STEP_NEEDS)}, got {self.step!r}")
         names = [p.name for p in self.params]
@@ -190,6 +289,14 @@ class LossDeclaration:
 
     def name_in(self, framework: str) -> str:
         return self.framework_names.get(framework, self.name)
+
+    def clip_params(self) -> tuple[Param, ...]:
+        """The PPO-clip group's parameters this loss reads (empty when it uses no PPO clip)."""
+        return tuple(p for p in PPO_CLIP.params if p.name in self.ppo_clip)
+
+    def read_clip(self, config: Any) -> "PPOClip":
+        """The PPO clip this loss reads from ``config`` (:meth:`SharedParams.read` of :data:`PPO_CLIP`)."""
+        return PPO_CLIP.read(config)
 
     def defaults(self, framework: str = "stalerl") -> dict[str, Any]:
         return {p.name: p.default_in(framework) for p in self.params}
@@ -311,6 +418,6 @@ def lazy_attributes(package: str, module: str = "algorithm") -> Callable[[str], 
     return __getattr__
 
 
-__all__ = ["CALLER_WEIGHTS", "COMBINE", "LossDeclaration", "MAX", "MEAN", "Metric", "Param",
-           "STEP_NEEDS", "SUM", "lazy_attributes", "mean_over", "param",
+__all__ = ["CALLER_WEIGHTS", "COMBINE", "LossDeclaration", "MAX", "MEAN", "Metric", "PPOClip", "PPO_CLIP", "Param",
+           "STEP_NEEDS", "SUM", "SharedParams", "TRUST_REGION_QUADRANTS", "lazy_attributes", "mean_over", "param",
            "reduce_metrics", "rule_for"]

@@ -19,8 +19,7 @@ from areal.api.cli_args import GRPOConfig as _AReaLGRPOConfig
 from areal.api.cli_args import PPOActorConfig
 from areal.api.cli_args import PPOConfig as _AReaLPPOConfig
 
-from recipe.areal.rules import check_areal_version, check_exact_loss_config, loss_param_fields
-from recipe.registry import declarations
+from recipe.areal.rules import check_areal_version, check_exact_loss_config, loss_param_fields, usable_losses
 
 
 def _post_init(self) -> None:
@@ -29,18 +28,18 @@ def _post_init(self) -> None:
     check_exact_loss_config(self)
 
 
+_PARAM_FIELDS = loss_param_fields(PPOActorConfig)  # first: it tells the clash check AReaL's own field names
 _LOSS_FIELD = ("loss", Optional[str], field(
     default=None,
-    metadata={"help": "Exact stale-rollout policy loss from recipe.registry that replaces AReaL's grpo_loss_fn "
-                      "(m2po: the M2PO paper's Algorithm 1, tau = m2_threshold, default 0.04; fipo; vanilla; "
-                      "no_trust_region; or a loss from the recipe.losses entry points). null = AReaL's own loss, "
-                      "m2_threshold keeping AReaL's meaning.",
-              "choices": sorted(declarations())}))
+    metadata={"help": "Exact stale-rollout policy loss from recipe.registry that replaces AReaL's grpo_loss_fn (one "
+                      "of the choices: the built-ins and the losses of the recipe.losses entry points; each loss's "
+                      "keys are the fields below). null = AReaL's own loss, m2_threshold keeping AReaL's meaning.",
+              "choices": sorted(usable_losses())}))
 
 #: AReaL's ``PPOActorConfig`` plus ``loss`` and the declared parameters of every loss (names as in stalerl's
 #: ``actor.*``, or a declaration's ``Param.names["areal"]``).
 ExactLossPPOActorConfig = dataclasses.make_dataclass(
-    "ExactLossPPOActorConfig", [_LOSS_FIELD, *loss_param_fields(PPOActorConfig)], bases=(PPOActorConfig,),
+    "ExactLossPPOActorConfig", [_LOSS_FIELD, *_PARAM_FIELDS], bases=(PPOActorConfig,),
     namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "AReaL's ``PPOActorConfig`` plus the keys of the exact losses (generated from the loss "
                           "declarations)."})

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from recipe.declaration import LossDeclaration, Param
-from recipe.registry import declarations, get_declaration, is_policy_loss_registered
+from recipe.declaration import PPO_CLIP, LossDeclaration, Param
+from recipe.registry import get_declaration, is_policy_loss_registered, usable_declarations
 from recipe.versions import check_framework_version
 
 #: The framework name under which the loss declarations name and default AReaL's keys (``Param.name_in``).
@@ -31,15 +31,28 @@ def check_areal_version(version: Optional[str] = None) -> Optional[str]:
 #: Keys of AReaL's own ``PPOActorConfig`` (default None there) that a declared loss parameter shares: AReaL's field
 #: is then the parameter's key (None = the loss's default). ``recipe.areal.config`` checks this list against AReaL.
 AREAL_OWN_KEYS = ("m2_threshold",)
-#: The losses whose objective has no PPO dual clip, so AReaL's ``c_clip`` would be ignored.
-_NO_DUAL_CLIP = ("m2po", "no_trust_region", "fipo")
+#: AReaL's own ``PPOActorConfig`` field names, set by :func:`loss_param_fields` from the config class it extends: a
+#: loss parameter named like one (other than :data:`AREAL_OWN_KEYS`) is refused in AReaL alone.
+_AREAL_FIELDS: set[str] = set()
+
+
+def _declarations() -> dict[str, LossDeclaration]:
+    """The losses AReaL can take (the clash check every adapter shares: AReaL has no loss names of its own, so only
+    a parameter named like an AReaL actor field of another meaning is refused)."""
+    return usable_declarations(FRAMEWORK, own_fields=_AREAL_FIELDS - set(AREAL_OWN_KEYS),
+                               field_name=lambda p: p.name_in(FRAMEWORK))
+
+
+def usable_losses() -> list[str]:
+    """The names of the losses AReaL's actor config offers."""
+    return sorted(_declarations())
 
 
 def _declared_params() -> dict[str, tuple[Param, list[str]]]:
     """AReaL key -> (the parameter, the losses declaring it), over every declared loss (plugins included). Two losses
     may share a key only with one declaration of it (m2po and m2po_authors share tau)."""
     out: dict[str, tuple[Param, list[str]]] = {}
-    for decl in declarations().values():
+    for decl in _declarations().values():
         for p in decl.params:
             key = p.name_in(FRAMEWORK)
             if key in out and out[key][0] != p:
@@ -55,6 +68,7 @@ def loss_param_fields(base: type) -> list[tuple[str, type, Any]]:
     already has (``m2_threshold``: AReaL's own M2PO) stays AReaL's field: it must default to None there (unset = the
     loss's default), else the declaration has to give the parameter another AReaL name (``Param.names``)."""
     own = {f.name: f for f in dataclasses.fields(base)}
+    _AREAL_FIELDS.update(own)
     fields = []
     for key, (p, losses) in _declared_params().items():
         if key in AREAL_OWN_KEYS and key not in own:
@@ -72,10 +86,10 @@ def loss_param_fields(base: type) -> list[tuple[str, type, Any]]:
 
 
 def _clip(actor: Any) -> tuple[float, float]:
-    low = getattr(actor, "eps_clip", None)
-    low = 0.2 if low is None else float(low)
-    high = getattr(actor, "eps_clip_higher", None)
-    return low, (low if high is None else float(high))
+    """AReaL's PPO clip (``eps_clip``, ``eps_clip_higher``), read by the shared group's reader."""
+    clip = PPO_CLIP.read({"eps_clip": getattr(actor, "eps_clip", None),
+                          "eps_clip_higher": getattr(actor, "eps_clip_higher", None)})
+    return clip.low, clip.high
 
 
 def loss_values(decl: LossDeclaration, actor: Any) -> dict[str, Any]:
@@ -118,7 +132,7 @@ def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
     if loss is None:
         return []
     if not isinstance(loss, str) or not is_policy_loss_registered(loss):
-        return [f"{where}loss must be one of {', '.join(sorted(declarations()))} (or a name registered with "
+        return [f"{where}loss must be one of {', '.join(sorted(_declarations()))} (or a name registered with "
                 f"recipe.registry.register_policy_loss), got {loss!r}; or leave it unset for AReaL's own loss"]
     errors = []
     decoupled = bool(getattr(actor, "use_decoupled_loss", False))
@@ -141,11 +155,11 @@ def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:
     if getattr(actor, "rejection_sampling", None) is not None:
         errors.append(f"{where}rejection_sampling acts inside AReaL's own loss and {where}loss={loss} would ignore "
                       f"it; set {where}rejection_sampling=null")
-    if loss in _NO_DUAL_CLIP and getattr(actor, "c_clip", None) is not None:
-        errors.append(f"{where}c_clip is a PPO dual clip that {where}loss={loss} does not have"
-                      + (f" (FIPO's is {where}fipo_clip_ratio_c)" if loss == "fipo" else "")
-                      + f"; set {where}c_clip=null")
     decl = get_declaration(loss)
+    if "c_clip" not in decl.ppo_clip and getattr(actor, "c_clip", None) is not None:  # its declaration says
+        errors.append(f"{where}c_clip is a PPO dual clip that {where}loss={loss} does not read (its PPO-clip keys: "
+                      f"{', '.join(decl.ppo_clip) or 'none'}; its own: "
+                      f"{', '.join(p.name_in(FRAMEWORK) for p in decl.params) or 'none'}); set {where}c_clip=null")
     mine = {p.name_in(FRAMEWORK) for p in decl.params}
     for key in AREAL_OWN_KEYS:  # AReaL's own key, set, that another loss's parameter shares: it would do nothing
         losses = _declared_params().get(key, (None, []))[1]

@@ -24,39 +24,26 @@ from typing import Any, Optional
 
 import torch
 
-from recipe.baselines.declaration import NO_TRUST_REGION, VANILLA
+from recipe.baselines.declaration import NO_TRUST_REGION, QUADRANTS, VANILLA
 from recipe.registry import register_policy_loss
 from recipe.common import (
     agg_loss,
-    cfg_lookup,
     check_inputs,
     global_batch_info,
     masked_log_ratio,
     ppo_clip_surrogate,
-    read_float,
     clamp_log_ratio,
 )
 
-_QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
-VANILLA_QUADRANT_METRIC_KEYS = (
-    *(f"vanilla/num_clipped_{q}" for q in _QUADRANTS),
-    *(f"vanilla/clipped_weight_share_{q}" for q in _QUADRANTS),
-    "vanilla/trust_region_weight_per_token",
-    *(f"vanilla/clipped_weight_per_token_{q}" for q in _QUADRANTS),
-)
-VANILLA_METRIC_KEYS = ("vanilla/clip_fraction", "vanilla/dual_clip_fraction", "vanilla/ppo_kl",
-                       *VANILLA_QUADRANT_METRIC_KEYS)
-NO_TR_METRIC_KEYS = ("no_trust_region/ratio_mean", "no_trust_region/ratio_max", "no_trust_region/ppo_kl")
+# Metric keys in the order the loss reports them: its declaration's (declared once, recipe/baselines/declaration.py).
+VANILLA_METRIC_KEYS = tuple(VANILLA.metrics)
+VANILLA_QUADRANT_METRIC_KEYS = VANILLA_METRIC_KEYS[3:]  # after clip_fraction, dual_clip_fraction, ppo_kl
+NO_TR_METRIC_KEYS = tuple(NO_TRUST_REGION.metrics)
 
 
 def _clip_params(config: Any) -> tuple[float, float, Optional[float]]:
-    low = read_float(config, ("clip_ratio_low", "clip_ratio", "eps_clip"), 0.2, minimum=0.0)
-    high = read_float(config, ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"), low, minimum=0.0)
-    c_value, _ = cfg_lookup(config, ("clip_ratio_c", "c_clip"), None)
-    dual = None
-    if c_value is not None:
-        dual = read_float(config, ("clip_ratio_c", "c_clip"), 3.0, minimum=1.0, minimum_inclusive=False)
-    return low, high, dual
+    """(eps_low, eps_high, dual clip or None): the shared PPO-clip group, read and checked by its one reader."""
+    return tuple(VANILLA.read_clip(config))  # type: ignore[return-value]
 
 
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -104,7 +91,7 @@ def _clip_quadrants(d: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, val
     n_valid = max(int(valid.sum()), 1)
     out = q.metrics(prefix="vanilla", noun="clipped")
     out["vanilla/trust_region_weight_per_token"] = q.trust_region_weight / n_valid
-    for name, w in zip(_QUADRANTS, q.masked_weight):
+    for name, w in zip(QUADRANTS, q.masked_weight):
         out[f"vanilla/clipped_weight_per_token_{name}"] = w / n_valid
     return {k: out[k] for k in VANILLA_QUADRANT_METRIC_KEYS}
 

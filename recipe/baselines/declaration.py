@@ -1,14 +1,14 @@
 """The baselines' declarations (torch-free): PPO clip (``vanilla``) and the unclipped objective
 (``no_trust_region``). Neither has parameters of its own: the PPO clip is the framework's."""
 
-from recipe.declaration import MAX, MEAN, SUM, LossDeclaration
+from recipe.declaration import MAX, MEAN, SUM, TRUST_REGION_QUADRANTS, LossDeclaration
 
-QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
+QUADRANTS = TRUST_REGION_QUADRANTS
 
 VANILLA = LossDeclaration(
     name="vanilla",
     summary="PPO's clipped surrogate (optional dual clip), the paper's GRPO baseline.",
-    uses_ppo_clip=True,
+    ppo_clip=("eps_clip", "eps_clip_higher", "c_clip"),  # the dual clip too
     framework_names={"verl": "stalerl_vanilla"},  # verl ships its own "vanilla"
     metrics={
         "vanilla/clip_fraction": MEAN,

@@ -69,21 +69,13 @@ from recipe.common import (
     global_batch_info,
     masked_log_ratio,
     ppo_clip_surrogate,
-    read_float,
     clamp_log_ratio,
 )
 
-FRACTION_KEYS = (
-    "fipo/influence_weights_mean_raw",
-    "fipo/influence_weight_clip_ratio_upper",
-    "fipo/influence_weight_clip_ratio_lower",
-    "fipo/sequence_drop_ratio",
-    "fipo/clip_fraction",
-    "fipo/dual_clip_fraction",
-)
-# What the loss reports on every call: the fractions and the count of tokens that enter the loss (the weight of
-# its clip fractions when a step's calls are pooled, recipe/fipo/declaration.py).
-METRIC_KEYS = (*FRACTION_KEYS, "fipo/num_kept_tokens")
+# What the loss reports on every call, in its declaration's order (declared once, recipe/fipo/declaration.py): the
+# fractions and the count of tokens that enter the loss (the weight of its clip fractions when calls are pooled).
+METRIC_KEYS = tuple(DECLARATION.metrics)
+FRACTION_KEYS = tuple(k for k in METRIC_KEYS if k != "fipo/num_kept_tokens")
 
 _DEFAULTS = DECLARATION.defaults()
 DEFAULT_DECAY_RATE = _DEFAULTS["fipo_decay_rate"]
@@ -138,8 +130,7 @@ class FIPOParams:
 def fipo_params_from_config(config: Any) -> FIPOParams:
     """The FIPO keys (``policy_loss.<key>`` first, then ``<key>``; recipe/fipo/declaration.py) and the PPO clip,
     checked, with the declaration's cross-key rules."""
-    low = read_float(config, ("clip_ratio_low", "clip_ratio", "eps_clip"), 0.2, minimum=0.0)
-    high = read_float(config, ("clip_ratio_high", "eps_clip_higher", "clip_ratio", "eps_clip"), low, minimum=0.0)
+    low, high, _ = DECLARATION.read_clip(config)  # the shared PPO-clip group (FIPO reads no dual clip of verl's)
     p = DECLARATION.read(config, clip=(low, high))
     return FIPOParams(decay_rate=p.fipo_decay_rate, clip_ratio_c=p.fipo_clip_ratio_c,
                       influence_clip_ratio=p.fipo_influence_clip_ratio,

@@ -44,6 +44,8 @@ DECLARATION = LossDeclaration(
     uses_ppo_clip=True,
     rules=(_rules,),
     framework_names={"swift": "fipo_ref"},  # ms-swift ships a "fipo" of its own
+    without_drift="every ratio is 1 (up to engine noise), every influence weight is 1 and FIPO is the plain clipped "
+                  "PG loss",
     metrics={
         # fractions of the valid tokens, of the tokens that enter the loss (kept rows), and of the rows
         "fipo/influence_weights_mean_raw": mean_over("valid_tokens"),

@@ -2,9 +2,9 @@
 
 The arithmetic is in recipe/m2po/algorithm.py; this is everything else about the loss (recipe/declaration.py)."""
 
-from recipe.declaration import MAX, MEAN, SUM, LossDeclaration, param
+from recipe.declaration import MAX, MEAN, SUM, TRUST_REGION_QUADRANTS, LossDeclaration, param
 
-QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
+QUADRANTS = TRUST_REGION_QUADRANTS
 SCOPES = ("local", "dp_group")
 
 DECLARATION = LossDeclaration(

@@ -59,20 +59,8 @@ from recipe.m2po.algorithm import (
 EPS = 1e-12  # sign, ratio and budget tolerances, and the breakpoint offset
 NO_CLIP_HIGH = 1e5  # the upper ratio bound when the budget is not exceeded (the lower one is 0)
 
-QUADRANTS = ("pos_r_gt_1", "neg_r_lt_1")
-METRIC_KEYS = (
-    "m2po_authors/m2_before",
-    "m2po_authors/m2_capped",
-    "m2po_authors/clip_fraction",
-    "m2po_authors/trust_region_fraction",
-    "m2po_authors/log_ratio_bound",
-    "m2po_authors/num_valid_tokens",
-    "m2po_authors/num_trust_region_tokens",
-    "m2po_authors/num_clipped_tokens",
-    "m2po_authors/threshold",
-    *(f"m2po_authors/num_clipped_{q}" for q in QUADRANTS),
-    *(f"m2po_authors/clipped_weight_share_{q}" for q in QUADRANTS),
-)
+# Metric keys in the order the loss reports them: its declaration's (declared once, recipe/m2po_authors/declaration.py).
+METRIC_KEYS = tuple(DECLARATION.metrics)
 # The bound tensors the batch selector hands to every micro-batch's loss call (same shape as the tokens).
 BOUND_KEYS = ("ratio_low", "ratio_high")
 
@@ -102,9 +90,7 @@ class AuthorsBound:
 def solve_bound(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, tau: float, *,
                 group: Optional[Any] = None) -> AuthorsBound:
     """The released code's budget -> clip bound, vectorised (one sort, one cumsum; a constant number of syncs)."""
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(float(tau)) or tau < 0:
-        raise ValueError(f"m2_threshold must be a finite number >= 0, got {tau!r}")
-    tau = float(tau)
+    tau = DECLARATION.param("m2_threshold").check(tau)  # the one validation (Param.check)
     valid = response_mask.bool()
     device = valid.device
     t = authors_trust_region(log_ratio, advantages, valid)

@@ -6,10 +6,11 @@ environment variables, which ms-swift's launcher (torchrun under ``NPROC_PER_NOD
 Every variable with the ``STALERL_`` loss prefixes is checked once, when the plugin is imported (before ms-swift
 loads the model): an unknown name, an unparsable value or an out-of-range one fails with one line naming it.
 
-The loss types and variables are generated from the losses' declarations (``recipe.registry.declarations()``,
-plugins included): ``--loss_type`` is the loss's name (``fipo_ref`` for the reference FIPO: ms-swift has its own
-``fipo``), each parameter's variable is ``STALERL_`` + its name in upper case, checked by the Param itself and the
-declaration's rules. The PPO clip of a loss that uses one (``fipo_ref``, ``vanilla``) is ms-swift's own
+The loss types and variables are generated from the losses' declarations (``recipe.registry.usable_declarations``,
+plugins included; a loss whose ms-swift name is one of ms-swift's own, :data:`SWIFT_LOSS_TYPES`, is refused alone):
+``--loss_type`` is the loss's name (``fipo_ref`` for the reference FIPO: ms-swift has its own ``fipo``), each
+parameter's variable is ``STALERL_`` + its name in upper case, checked by the Param itself and the declaration's
+rules. The PPO clip of a loss that uses one (``fipo_ref``, ``vanilla``) is ms-swift's own
 ``--epsilon`` / ``--epsilon_high``.
 
 Torch-free and ms-swift-free at import (the losses' own rules, which import torch, are imported when a config is
@@ -24,6 +25,19 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 FRAMEWORK = "swift"
+#: ms-swift's own GRPO ``--loss_type`` values (4.6: ``GRPOTrainer._compute_loss_and_metrics``), pinned; the swift
+#: lane checks them against the installed ms-swift. A registered loss whose ms-swift name is one of them is refused
+#: in ms-swift alone, one logged line naming it and the fix (``recipe.registry.usable_declarations``).
+SWIFT_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "real", "fipo")
+
+
+def _declarations() -> "dict[str, Any]":
+    """{registry name: declaration} of every loss ms-swift can take (the clash check every adapter shares)."""
+    from recipe.registry import usable_declarations
+
+    return usable_declarations(FRAMEWORK, own_losses=SWIFT_LOSS_TYPES)
+
+
 def swift_loss_name(declaration: Any) -> str:
     """A registry loss's ``--loss_type`` in ms-swift: its declared swift name where ms-swift already uses the name for
     a loss of its own (FIPO: ms-swift's ``fipo`` stays ms-swift's, the registry's is ``fipo_ref``)."""
@@ -48,10 +62,8 @@ class EnvKey:
 def _env_keys() -> "dict[str, tuple[EnvKey, ...]]":
     """{ms-swift loss_type: its EnvKeys}, generated from every registered loss's declaration (plugins included); a
     step-scope parameter is the adapter's business (it always plans the whole step over every process)."""
-    from recipe.registry import declarations
-
     out = {}
-    for decl in declarations().values():
+    for decl in _declarations().values():
         out[swift_loss_name(decl)] = tuple(
             EnvKey(env_name(p), p.name, {bool: "bool", str: "str"}.get(p.kind, "float"), p.default_in(FRAMEWORK), p,
                    p.help) for p in decl.params if not p.step_scope)
@@ -60,9 +72,7 @@ def _env_keys() -> "dict[str, tuple[EnvKey, ...]]":
 
 def swift_loss_types() -> "dict[str, str]":
     """{ms-swift ``--loss_type``: ``recipe.registry`` name} of every registered loss (plugins included)."""
-    from recipe.registry import declarations
-
-    return {swift_loss_name(decl): decl.name for decl in declarations().values()}
+    return {swift_loss_name(decl): decl.name for decl in _declarations().values()}
 
 
 #: Opt-in (true/false, default false): when vLLM's rollout log-probs are missing for part of an optimizer step, use
@@ -152,9 +162,7 @@ def loss_config(loss_type: str, *, epsilon_low: float = 0.2, epsilon_high: Optio
     """The registry config of ``loss_type`` (an ms-swift ``--loss_type`` of this adapter) from the environment,
     checked by the loss's Params and its declaration's rules; the PPO clip from ``--epsilon`` / ``--epsilon_high``
     for a loss that uses it."""
-    from recipe.registry import declarations
-
-    decls = {swift_loss_name(d): d for d in declarations().values()}
+    decls = {swift_loss_name(d): d for d in _declarations().values()}
     if loss_type not in decls:
         raise ValueError(f"loss_type {loss_type!r} is not one of this adapter's: {', '.join(decls)}")
     decl = decls[loss_type]

@@ -52,9 +52,9 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 
-from recipe.declaration import LossDeclaration, Param, reduce_metrics
+from recipe.declaration import PPO_CLIP, LossDeclaration, Param, reduce_metrics
 from recipe.optimizer_batch import MicroBatch, plan_optimizer_batch, with_global_batch_info
-from recipe.registry import declarations, get_declaration, get_policy_loss_spec
+from recipe.registry import get_declaration, get_policy_loss_spec, refusals, usable_declarations
 from recipe.versions import check_framework_version, installed_version, parse_version
 
 # The keyword names (Trinity's) that carry verl's global batch information on the engine path.
@@ -265,10 +265,11 @@ class _RecipeLoss:
             raise ValueError(f"{name}: {exc}") from None
 
     def _check_clip(self, key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.{key} must be a number >= 0, got {value!r}. Fix: "
-                             f"set {key}=0.2")
-        return float(value)
+        """A PPO-clip key, checked by the shared group's Param (one validation, one message form)."""
+        try:
+            return PPO_CLIP.param(key).check(value, f"{ARGS_PATH}.{key}")
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def _init_common(self, loss_agg_mode: str, batch_num_tokens_from_data: Union[bool, str, None],
                      allow_split_mini_batch: Any, assume_one_micro_batch: Any) -> None:
@@ -478,6 +479,12 @@ def _call(self, logprob: torch.Tensor, old_logprob: torch.Tensor, action_mask: t
     return self._compute(logprob, old_logprob, action_mask, advantages, batch_num_tokens, dp_size)
 
 
+def _declarations() -> Dict[str, LossDeclaration]:
+    """The losses Trinity can take: Trinity finds each class by its dotted path (no loss name of Trinity's can clash),
+    so only a parameter named like one of the adapter's own arguments is refused."""
+    return usable_declarations(FRAMEWORK, own_fields=COMMON_KEYS + CLIP_KEYS, field_name=lambda p: p.name_in(FRAMEWORK))
+
+
 def _class_name(loss_name: str) -> str:
     return "".join(part.capitalize() for part in loss_name.replace("-", "_").split("_")) + "PolicyLossFn"
 
@@ -493,6 +500,8 @@ def policy_loss_class(loss_name: str) -> type:
     cls = _CLASSES.get(loss_name)
     if cls is None:
         get_policy_loss_spec(loss_name)  # an unknown name: one line listing the registered losses
+        if loss_name not in _declarations():  # refused here (the clash check every adapter shares): its one line
+            raise ValueError(refusals().get(f"{FRAMEWORK}:{loss_name}", f"policy loss {loss_name!r} is refused"))
         decl = get_declaration(loss_name)
         name = _NAMED.get(loss_name, _class_name(loss_name))
         cls = type(name, (_RecipeLoss, PolicyLossFn), {"loss_name": loss_name, "__call__": _call,
@@ -508,7 +517,7 @@ FIPOPolicyLossFn = policy_loss_class("fipo")
 
 def __getattr__(name: str) -> Any:
     """``recipe.trinity.losses.<Name>PolicyLossFn`` for every registered loss (Trinity's dotted path, pickling)."""
-    for loss_name in declarations():
+    for loss_name in _declarations():
         if _NAMED.get(loss_name, _class_name(loss_name)) == name:
             return policy_loss_class(loss_name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

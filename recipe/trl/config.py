@@ -8,18 +8,16 @@ from the Param. Validation is the Param's own check and the declaration's rules 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import trl
 
-from recipe.trl.losses import FRAMEWORK, check_no_shadowing, config_params, trl_loss_types_from_source, \
-    validate_grpo_args
+from recipe.trl import losses
+from recipe.trl.losses import FRAMEWORK, config_params, validate_grpo_args
 from recipe.versions import check_framework_version
 
 check_framework_version("trl", where="recipe.trl")
-# TRL's own loss names, read from the installed TRL: if it gained one of ours, ours would silently take it over.
-TRL_SOURCES = (inspect.getsource(inspect.getmodule(trl.GRPOTrainer)), inspect.getsource(inspect.getmodule(trl.GRPOConfig)))
-check_no_shadowing(trl_loss_types_from_source(*TRL_SOURCES), trl.__version__)
+# TRL's own fields: a loss parameter named like one is refused in TRL (recipe.registry.usable_declarations), alone.
+losses.TRL_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(trl.GRPOConfig))
 
 
 def _field(p):

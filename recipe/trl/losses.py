@@ -10,9 +10,9 @@ import importlib.util
 import math
 from typing import Any, Optional
 
-#: TRL 1.16's own ``loss_type`` values (its ``_compute_loss`` if/elif chain). At run time the adapter reads TRL's
-#: list from the installed TRL's source (:func:`trl_loss_types_from_source`) and refuses to start if it contains one of
-#: :func:`stalerl_loss_types`; a test keeps this copy equal to what the installed TRL has.
+#: TRL 1.16's own ``loss_type`` values, pinned (TRL has no public registry of them; a test in the TRL lane checks
+#: this list against the values ``trl.GRPOConfig``'s ``loss_type`` help documents). A registered loss whose TRL name
+#: is one of them is refused in TRL alone (``recipe.registry.usable_declarations``).
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo")
 FRAMEWORK = "trl"
 INSTALL_HINT = 'pip install -e ".[trl]" from a stalerl checkout (trl>=1.16,<1.17)'
@@ -21,11 +21,20 @@ TRL_VLLM_IS_DEFAULTS = {"vllm_importance_sampling_mode": "sequence_mask", "vllm_
                         "vllm_importance_sampling_clip_min": None}
 
 
-def declarations() -> dict[str, Any]:
-    """{TRL ``loss_type``: declaration} of every registered loss (built-ins and ``recipe.losses`` plugins)."""
-    from recipe.registry import declarations as registered
+#: ``trl.GRPOConfig``'s own field names, set by :mod:`recipe.trl.config` when it imports TRL: a loss parameter named
+#: like one (``beta``, ``epsilon``, ...) would take TRL's field, so such a loss is refused in TRL.
+TRL_OWN_FIELDS: tuple[str, ...] = ()
 
-    return {decl.name_in(FRAMEWORK): decl for decl in registered().values()}
+
+def declarations() -> dict[str, Any]:
+    """{TRL ``loss_type``: declaration} of every registered loss TRL can take (built-ins and ``recipe.losses``
+    plugins): one whose TRL name is TRL's own loss type, or with a parameter named like a GRPOConfig field of TRL's,
+    is refused alone with one logged line (the clash check every adapter shares)."""
+    from recipe.registry import usable_declarations
+
+    usable = usable_declarations(FRAMEWORK, own_losses=TRL_LOSS_TYPES, own_fields=TRL_OWN_FIELDS,
+                                 field_name=lambda p: p.name_in(FRAMEWORK))
+    return {decl.name_in(FRAMEWORK): decl for decl in usable.values()}
 
 
 def stalerl_loss_types() -> tuple[str, ...]:
@@ -62,44 +71,6 @@ def require_trl() -> None:
         raise ImportError(f"recipe.trl needs TRL, which is not installed; install it with: {INSTALL_HINT}")
 
 
-def trl_loss_types_from_source(*sources: str) -> tuple[str, ...]:
-    """The ``loss_type`` names that TRL's source compares a ``.loss_type`` with (``==`` or ``in``), in order.
-
-    Given the source of ``trl.trainer.grpo_trainer`` (and ``grpo_config``), this is the set of loss types TRL
-    implements: its ``_compute_loss`` branches and its ``__init__`` rules all read ``self.loss_type`` /
-    ``args.loss_type`` that way.
-    """
-    import ast
-    import textwrap
-
-    names: list[str] = []
-    nodes = [node for source in sources for node in ast.walk(ast.parse(textwrap.dedent(source)))]
-    for node in nodes:
-        if not isinstance(node, ast.Compare):
-            continue
-        left = node.left
-        if not (isinstance(left, ast.Attribute) and left.attr == "loss_type"):
-            continue
-        for op, right in zip(node.ops, node.comparators):
-            if not isinstance(op, (ast.Eq, ast.In)):
-                continue
-            items = right.elts if isinstance(right, (ast.List, ast.Tuple, ast.Set)) else [right]
-            for item in items:
-                if isinstance(item, ast.Constant) and isinstance(item.value, str) and item.value not in names:
-                    names.append(item.value)
-    return tuple(names)
-
-
-def check_no_shadowing(trl_names: tuple[str, ...], trl_version: str = "?") -> None:
-    """Refuse to run when TRL itself defines a ``loss_type`` named like one of ours (ours would silently win)."""
-    clash = [name for name in stalerl_loss_types() if name in trl_names]
-    if clash:
-        raise RuntimeError(f"recipe.trl: trl {trl_version} has its own loss_type {', '.join(map(repr, clash))}, "
-                           "which stalerl's adapter would silently replace; the adapter must rename its loss before "
-                           "it can run with this TRL. Fix: use trl>=1.16,<1.17, or trl.GRPOTrainer for TRL's own "
-                           f"{clash[0]!r}")
-
-
 def check_vllm_logprobs_mode(mode: Any, loss_type: str) -> None:
     """The sampler's log-probs are the behaviour policy of m2po/fipo: they must be after temperature / top-p."""
     if mode != "processed_logprobs":
@@ -110,8 +81,16 @@ def check_vllm_logprobs_mode(mode: Any, loss_type: str) -> None:
 
 
 def _clip(args: Any) -> tuple[float, float]:
-    low = float(args.epsilon)
-    return low, float(args.epsilon_high) if getattr(args, "epsilon_high", None) is not None else low
+    """TRL's PPO clip, read by the shared group's reader under TRL's names (``epsilon``, ``epsilon_high``)."""
+    from recipe.declaration import PPO_CLIP
+
+    try:
+        clip = PPO_CLIP.read({p.name: getattr(args, p.name_in(FRAMEWORK), None) for p in PPO_CLIP.params
+                              if p.name != "c_clip"})
+    except ValueError as err:  # name TRL's fields, not the group's
+        raise ValueError(str(err).replace("eps_clip_higher", "GRPOConfig.epsilon_high")
+                         .replace("eps_clip", "GRPOConfig.epsilon")) from None
+    return clip.low, clip.high
 
 
 def loss_config(args: Any) -> dict[str, Any]:

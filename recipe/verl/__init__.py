@@ -13,7 +13,8 @@ verl ``loss_mode``  function
 ``no_trust_region`` ``get_policy_loss_fn("no_trust_region")``
 ``m2po_authors``    ``get_policy_loss_fn("m2po_authors")``
 ``fipo``            ``recipe.verl.losses.compute_policy_loss_fipo_verl``: the registry's FIPO on a step that is
-                    one call, a split step refused (or opted in)
+                    one call, a split step refused (or opted in); so for every loss whose declaration's
+                    ``step`` is ``row_selector`` (``recipe.verl.losses.whole_step_loss``)
 a plugin loss       ``get_policy_loss_fn(<its name>)``
 =================== ==========================================================
 
@@ -60,17 +61,31 @@ if not _verl_installed():
 
 
 
-def verl_loss_names() -> dict[str, str]:
-    """verl ``loss_mode`` name -> name in ``recipe.registry``, for every registered loss (plugins included)."""
-    from recipe.registry import declarations
+def verl_own_loss_names() -> set[str]:
+    """verl's own ``loss_mode`` names: its ``POLICY_LOSS_REGISTRY`` less what this adapter put there (a function of
+    ``recipe.registry``, or FIPO's verl wrapper)."""
+    from verl.trainer.ppo import core_algos
 
-    out: dict[str, str] = {}
-    for name, declaration in declarations().items():
-        verl_name = declaration.name_in("verl")
-        if out.setdefault(verl_name, name) != name:
-            raise ValueError(f"losses {out[verl_name]!r} and {name!r} both have the verl name {verl_name!r}; give one "
-                             "of them another with LossDeclaration(framework_names={'verl': ...})")
-    return out
+    from recipe.registry import declarations, registered_functions
+
+    ours = {_qualname(fn) for fn in registered_functions().values()} | \
+        {f"recipe.verl.losses.compute_policy_loss_{name}_verl" for name in declarations()}
+    return {name for name, fn in core_algos.POLICY_LOSS_REGISTRY.items() if _qualname(fn) not in ours}
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def verl_loss_names() -> dict[str, str]:
+    """verl ``loss_mode`` name -> name in ``recipe.registry``, for every registered loss (plugins included) that verl
+    can take: a loss whose verl name is one of verl's own (``cispo``, ``gspo``, ...) is refused alone, with one logged
+    line naming it and the fix (``recipe.registry.usable_declarations``, the clash check of every adapter)."""
+    from recipe.registry import registered_policy_losses, usable_declarations
+
+    registered_policy_losses()  # every function loaded, so that verl's own names can be told from ours
+    return {decl.name_in("verl"): name
+            for name, decl in usable_declarations("verl", own_losses=verl_own_loss_names()).items()}
 
 
 #: ``_target_`` of the policy-loss config, as written in the packaged Hydra config.
@@ -85,15 +100,18 @@ def config_dir() -> Path:
 
 
 def loss_function(verl_name: str):
-    """The function the plugin puts in verl's registry under ``verl_name``: the registry's own object, except
-    ``fipo``, which gets FIPO's whole-step check (recipe/verl/losses.py)."""
+    """The function the plugin puts in verl's registry under ``verl_name``: the registry's own object, except for a
+    loss whose declaration decides per row (``step="row_selector"``, FIPO), which gets the whole-step check
+    (recipe/verl/losses.py)."""
     names = verl_loss_names()
     if verl_name not in names:
         raise KeyError(f"{verl_name!r} is no stalerl loss's verl name; they are: {', '.join(names)}")
-    if names[verl_name] == "fipo":
-        from recipe.verl.losses import compute_policy_loss_fipo_verl
+    from recipe.registry import get_declaration
 
-        return compute_policy_loss_fipo_verl
+    if get_declaration(names[verl_name]).step == "row_selector":  # its declaration says: a per-row drop
+        from recipe.verl.losses import whole_step_loss
+
+        return whole_step_loss(names[verl_name])
     from recipe.registry import get_policy_loss_fn
 
     return get_policy_loss_fn(names[verl_name])

@@ -39,8 +39,9 @@ from typing import Any
 from verl.workers.config import PolicyLossConfig
 
 from recipe.declaration import LossDeclaration, Param
-from recipe.registry import declarations
-from recipe.verl.losses import ALLOW_SPLIT
+from recipe.registry import declarations, refusals
+from recipe.verl import verl_loss_names
+from recipe.verl.losses import allow_split_param, needs_whole_step
 from recipe.verl.plugin import register as _register
 
 # Backstop registration: runs in every process that instantiates this config, even with
@@ -50,8 +51,10 @@ _register()
 KEY_PREFIX = "actor_rollout_ref.actor.policy_loss"
 #: Class names kept from before the classes were generated (the packaged configs' ``_target_``).
 CLASS_NAMES = {"m2po": "M2POPolicyLossConfig", "fipo": "FIPOPolicyLossConfig"}
-#: Keys of the verl adapter, not of the loss, by loss name.
-ADAPTER_PARAMS: dict[str, tuple[Param, ...]] = {"fipo": (ALLOW_SPLIT,)}
+def adapter_params(declaration: LossDeclaration) -> tuple[Param, ...]:
+    """Keys of the verl adapter, not of the loss: the split-step opt-in of a loss verl runs behind the whole-step
+    check (its declaration's ``step``; FIPO's ``fipo_allow_split_step``)."""
+    return (allow_split_param(declaration.name),) if needs_whole_step(declaration) else ()
 #: The PPO clip the cross-parameter rules see at config time (the actor's clip is outside ``policy_loss``).
 CONFIG_TIME_CLIP = (0.0, 0.0)
 
@@ -64,13 +67,22 @@ def _class_name(declaration: LossDeclaration) -> str:
         "".join(part.capitalize() for part in verl_name.replace("-", "_").split("_")) + "PolicyLossConfig"
 
 
-def _declaration(name: str) -> LossDeclaration:
+def _declarations() -> dict[str, LossDeclaration]:
+    """The losses verl takes (recipe.verl.verl_loss_names: a loss refused there has no config class)."""
     found = declarations()
+    return {name: found[name] for name in verl_loss_names().values()}
+
+
+def _declaration(name: str) -> LossDeclaration:
+    found = _declarations()
     by_verl_name = {d.name_in("verl"): d for d in found.values()}
     if name in found:
         return found[name]
     if name in by_verl_name:
         return by_verl_name[name]
+    refused = refusals().get(f"verl:{name}") or refusals().get(name)
+    if refused is not None:
+        raise ValueError(refused)
     raise ValueError(f"unknown policy loss {name!r}; the registered losses (verl names) are: "
                      f"{', '.join(sorted(by_verl_name))}")
 
@@ -82,7 +94,7 @@ def _check(self: Any) -> None:
         parent(self)
     declaration = _declaration(self._stalerl_loss)
     values = {}
-    for p in (*declaration.params, *ADAPTER_PARAMS.get(declaration.name, ())):
+    for p in (*declaration.params, *adapter_params(declaration)):
         key = p.name_in("verl")
         # checked as verl's key, so that its "Fix:" names verl's default (m2_scope: local)
         value = p.check(getattr(self, key), f"{KEY_PREFIX}.{key}", framework="verl")
@@ -105,7 +117,7 @@ def _make_class(declaration: LossDeclaration) -> type:
         fields.append((key, p.kind, field(default=p.default_in("verl"), metadata=p.metadata())))
         if key != p.name:  # the loss reads its own name (LossDeclaration.read): alias it to the verl field
             namespace[p.name] = property(lambda self, _key=key: getattr(self, _key))
-    for p in ADAPTER_PARAMS.get(declaration.name, ()):
+    for p in adapter_params(declaration):
         fields.append((p.name, p.kind, field(default=p.default, metadata=p.metadata())))
     keys = ", ".join(f"``{f[0]}``" for f in fields[1:]) or "none of its own"
     cls = make_dataclass(name, fields, bases=(PolicyLossConfig,), namespace=namespace)
@@ -131,19 +143,25 @@ def policy_loss_config_target(name: str) -> str:
     return f"{__name__}.{policy_loss_config_class(name).__name__}"
 
 
-for _name in declarations():
+for _name in _declarations():
     policy_loss_config_class(_name)
 
-M2POPolicyLossConfig = policy_loss_config_class("m2po")
-FIPOPolicyLossConfig = policy_loss_config_class("fipo")
+for _name, _cls_name in CLASS_NAMES.items():  # M2POPolicyLossConfig, FIPOPolicyLossConfig (unless refused in verl)
+    if _name in _CLASSES:
+        globals()[_cls_name] = _CLASSES[_name]
 
 
 def __getattr__(name: str) -> type:
-    """A loss registered after this module was imported: its class on first access (``_target_`` included)."""
+    """A loss registered after this module was imported: its class on first access (``_target_`` included); the
+    class of a loss refused in verl raises its one-line refusal."""
     if name.endswith("PolicyLossConfig"):
-        for declaration in declarations().values():
+        for declaration in _declarations().values():
             if _class_name(declaration) == name:
                 return policy_loss_config_class(declaration.name)
+        for declaration in declarations().values():
+            if _class_name(declaration) == name:
+                why = refusals().get(f"verl:{declaration.name}") or refusals().get(declaration.name)
+                raise AttributeError(f"{__name__}.{name}: {why}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -31,56 +31,89 @@ from recipe.common import cfg_lookup, global_batch_info
 from recipe.declaration import param
 from recipe.registry import get_policy_loss_spec
 
-#: The opt-in (``actor_rollout_ref.actor.policy_loss.fipo_allow_split_step``): a verl-adapter key, not a loss
-#: parameter (the registry's FIPO has no split to allow).
-ALLOW_SPLIT = param("fipo_allow_split_step", False,
-                    help="verl: accept a split optimizer step for FIPO (several micro-batches or GPUs); the dropped "
-                         "rows then stay in the step's denominator (logged as fipo/split_step_approximate).")
-ALLOW_SPLIT_KEY = ALLOW_SPLIT.name
-#: Logged on every call: 1 when the opt-in approximation ran, 0 when the call was the exact step.
-APPROXIMATE_METRIC = "fipo/split_step_approximate"
 KEY_PREFIX = "actor_rollout_ref.actor"
 
 
-def split_step_message(batch_num_tokens: Any, own_tokens: int, dp_size: int) -> str:
-    return (f"fipo in verl: this optimizer step is split (verl's batch_num_tokens={batch_num_tokens}, this loss call "
-            f"holds {own_tokens} valid tokens, dp_size={dp_size}), and verl's loss sees one micro-batch, so the rows "
-            "FIPO drops in the other calls would stay in the step's denominator (not the FIPO objective). Fix: one "
+def allow_split_param(loss: str) -> Any:
+    """The opt-in key of a row-selector loss in verl (``<loss>_allow_split_step``): a verl-adapter key, not a loss
+    parameter (the registry's loss has no split to allow)."""
+    return param(f"{loss}_allow_split_step", False,
+                 help=f"verl: accept a split optimizer step for {loss} (several micro-batches or GPUs); the dropped "
+                      f"rows then stay in the step's denominator (logged as {loss}/split_step_approximate).")
+
+
+def approximate_metric(loss: str) -> str:
+    """Logged on every call of a row-selector loss in verl: 1 when the opt-in approximation ran, 0 when exact."""
+    return f"{loss}/split_step_approximate"
+
+
+def needs_whole_step(declaration: Any) -> bool:
+    """Whether verl must run loss ``declaration`` behind the whole-step check: its step decides per row
+    (``step="row_selector"``: a dropped row leaves the whole step's denominator, which one verl call cannot see)."""
+    return declaration.step == "row_selector"
+
+
+#: FIPO's (the names the packaged config and the docs use).
+ALLOW_SPLIT = allow_split_param("fipo")
+ALLOW_SPLIT_KEY = ALLOW_SPLIT.name
+APPROXIMATE_METRIC = approximate_metric("fipo")
+
+
+def split_step_message(batch_num_tokens: Any, own_tokens: int, dp_size: int, loss: str = "fipo") -> str:
+    return (f"{loss} in verl: this optimizer step is split (verl's batch_num_tokens={batch_num_tokens}, this loss "
+            f"call holds {own_tokens} valid tokens, dp_size={dp_size}), and verl's loss sees one micro-batch, so the "
+            f"rows {loss} drops in the other calls would stay in the step's "
+            f"denominator (not the {loss} objective). Fix: one "
             f"call per step: {KEY_PREFIX}.ppo_micro_batch_size_per_gpu = ppo_mini_batch_size x rollout.n, "
-            f"{KEY_PREFIX}.use_dynamic_bsz=false, one GPU (trainer.n_gpus_per_node=1 trainer.nnodes=1); or train FIPO "
-            f"with the stalerl runtime / TRL (exact at any split); or accept the approximation explicitly with "
-            f"{KEY_PREFIX}.policy_loss.{ALLOW_SPLIT_KEY}=true (logged as {APPROXIMATE_METRIC})")
+            f"{KEY_PREFIX}.use_dynamic_bsz=false, one GPU (trainer.n_gpus_per_node=1 trainer.nnodes=1); or train "
+            f"{loss} with the stalerl runtime / TRL (exact at any split); or "
+            f"accept the approximation explicitly with {KEY_PREFIX}.policy_loss.{loss}_allow_split_step=true "
+            f"(logged as {approximate_metric(loss)})")
 
 
-def compute_policy_loss_fipo_verl(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``fipo`` in verl's registry: the registry's FIPO on a step that is one call, else refused (module doc)."""
-    spec = get_policy_loss_spec("fipo")
-    info = global_batch_info(config)
-    dp_size = int(info.get("dp_size") or 1)
-    batch_num_tokens = info.get("batch_num_tokens")
-    if isinstance(batch_num_tokens, torch.Tensor):
-        batch_num_tokens = int(batch_num_tokens.item())
-    own_tokens = int(response_mask.bool().sum())
-    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-    if dp_size == 1 and (batch_num_tokens is None or int(batch_num_tokens) == own_tokens):
-        loss, metrics = spec.fn(*args)  # the call is the step: the registry's FIPO is the reference with it
-        return loss, {**metrics, APPROXIMATE_METRIC: 0.0}
-    allowed, path = cfg_lookup(config, (f"policy_loss.{ALLOW_SPLIT_KEY}", ALLOW_SPLIT_KEY), False)
-    if not ALLOW_SPLIT.check(allowed, f"{KEY_PREFIX}.{path}"):
-        raise ValueError(split_step_message(batch_num_tokens, own_tokens, dp_size))
-    # opted in: this call's drop, verl's count as given (the step's dropped rows stay in its denominator)
-    keep = spec.row_selector(old_log_prob, log_prob, advantages, response_mask, config=config)["row_keep_mask"]
-    loss, metrics = spec.fn(*args, row_keep_mask=keep)
-    return loss, {**metrics, APPROXIMATE_METRIC: 1.0}
+_WRAPPERS: dict[str, Any] = {}
 
 
-__all__ = ["ALLOW_SPLIT", "ALLOW_SPLIT_KEY", "APPROXIMATE_METRIC", "compute_policy_loss_fipo_verl",
-           "split_step_message"]
+def whole_step_loss(loss: str) -> Any:
+    """The function verl gets for a row-selector loss (its declaration's ``step``): the registry's loss on a step
+    that is one call, a split step refused (or, opted in, this call's drop with verl's count). Made once per loss."""
+    fn = _WRAPPERS.get(loss)
+    if fn is not None:
+        return fn
+    allow, metric = allow_split_param(loss), approximate_metric(loss)
+
+    def compute(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        spec = get_policy_loss_spec(loss)
+        info = global_batch_info(config)
+        dp_size = int(info.get("dp_size") or 1)
+        batch_num_tokens = info.get("batch_num_tokens")
+        if isinstance(batch_num_tokens, torch.Tensor):
+            batch_num_tokens = int(batch_num_tokens.item())
+        own_tokens = int(response_mask.bool().sum())
+        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        if dp_size == 1 and (batch_num_tokens is None or int(batch_num_tokens) == own_tokens):
+            value, metrics = spec.fn(*args)  # the call is the step: the registry's loss is the reference with it
+            return value, {**metrics, metric: 0.0}
+        allowed, path = cfg_lookup(config, (f"policy_loss.{allow.name}", allow.name), False)
+        if not allow.check(allowed, f"{KEY_PREFIX}.{path}"):
+            raise ValueError(split_step_message(batch_num_tokens, own_tokens, dp_size, loss))
+        # opted in: this call's drop, verl's count as given (the step's dropped rows stay in its denominator)
+        keep = spec.row_selector(old_log_prob, log_prob, advantages, response_mask, config=config)["row_keep_mask"]
+        value, metrics = spec.fn(*args, row_keep_mask=keep)
+        return value, {**metrics, metric: 1.0}
+
+    compute.__name__ = compute.__qualname__ = f"compute_policy_loss_{loss}_verl"
+    compute.__doc__ = (f"``{loss}`` in verl's registry: the registry's loss on a step that is one call, else refused "
+                       "(module doc).")
+    _WRAPPERS[loss] = compute
+    return compute
+
+
+#: FIPO's, by the name the tests and docs use.
+compute_policy_loss_fipo_verl = whole_step_loss("fipo")
+
+
+__all__ = ["ALLOW_SPLIT", "ALLOW_SPLIT_KEY", "APPROXIMATE_METRIC", "allow_split_param", "approximate_metric",
+           "compute_policy_loss_fipo_verl", "needs_whole_step", "split_step_message", "whole_step_loss"]

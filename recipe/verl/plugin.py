@@ -30,6 +30,10 @@ maxima across runs only at the same micro-batch split (or with one call per step
 The installed verl's version is checked against the tested range (``recipe.versions``) before anything registers:
 outside it the plugin refuses, unless ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through (then it warns).
 
+A plugin loss that cannot join (its ``recipe.losses`` module fails to import, it clashes with another loss, or its
+verl name is one of verl's own: ``cispo``, ``gspo``, ...) is refused alone, logged at ERROR in one line naming it and
+the fix (``LossDeclaration(framework_names={'verl': ...})``); every other loss registers.
+
 verl swallows plugin import errors (it logs them at DEBUG), which would surface much later as a bare
 "Unsupported loss mode: m2po". So a failure here is logged at ERROR with its traceback before it is raised, and the
 generated config classes (:mod:`recipe.verl.config`, e.g. ``M2POPolicyLossConfig``, the packaged config's
@@ -57,10 +61,11 @@ def _check_verl_version() -> None:
 
 
 def register() -> dict[str, Any]:
-    """Register every stalerl loss in verl's registry under its verl name; idempotent.
+    """Register every stalerl loss verl can take in verl's registry under its verl name; idempotent.
 
-    Raises RuntimeError if a verl name is already taken by a different function (verl's own
-    ``register_policy_loss`` would overwrite it silently), or if verl does not hand back our function afterwards.
+    A loss whose verl name verl already has (its own ``cispo``, or another plugin's function) is left out alone, with
+    one logged line naming it and the fix (``recipe.registry.refusals()``); every other loss registers. Raises
+    RuntimeError only if verl does not hand back our function after registering it (an unsupported verl).
     """
     from verl.trainer.ppo import core_algos
 
@@ -71,12 +76,7 @@ def register() -> dict[str, Any]:
         fn = loss_function(verl_name)
         current = core_algos.POLICY_LOSS_REGISTRY.get(verl_name)
         if current is not None and current is not fn and _qualname(current) != _qualname(fn):
-            raise RuntimeError(
-                f"verl policy loss {verl_name!r} is already registered by {_qualname(current)}; stalerl refuses to "
-                f"replace it with {_qualname(fn)} (recipe.registry loss {name!r}). Uninstall the other plugin or "
-                f"disable it with VERL_USE_EXTERNAL_PLUGINS=<comma-separated names to load>; or, for a loss of "
-                f"yours, give it another verl name: LossDeclaration(framework_names={{'verl': ...}})."
-            )
+            continue  # verl_loss_names() refused it already (a name verl has)
         core_algos.register_policy_loss(verl_name)(fn)
         if core_algos.get_policy_loss_fn(verl_name) is not fn:
             raise RuntimeError(f"verl's get_policy_loss_fn({verl_name!r}) does not return {_qualname(fn)} after "

@@ -46,6 +46,14 @@ def _check_value(key: str, value: Any, tp: Any, metadata: Any) -> Optional[str]:
         return f"got null; expected {_type_name(tp)}. Fix: set {key} to a value (null is not allowed here)."
     if _is_interpolation(value) and inner is not str:
         return None  # unresolved (direct Python construction); ExperimentConfig resolves and re-checks
+    param = metadata.get("param")
+    if param is not None:  # a loss parameter: its declaration's Param.check is the one validation
+        try:
+            param.check(value, key)
+        except ValueError as err:
+            message = str(err)
+            return message[len(key) + 1:] if message.startswith(f"{key} ") else message
+        return None
     ok = True
     if inner is bool:
         ok = isinstance(value, bool)

@@ -125,12 +125,15 @@ def resolve_rollout_backend(cfg: ExperimentTree, log: Optional[Callable[[str], N
     return line
 
 
-def fipo_has_drift(cfg: ExperimentTree) -> bool:
-    """Whether a run trains on tokens from an older policy than the one being updated (FIPO needs that): a fixed
-    staleness, asynchronous admission of stale samples, or several optimizer steps per batch (every mini-batch after
-    the first sees a moved policy)."""
+def has_drift(cfg: ExperimentTree) -> bool:
+    """Whether a run trains on tokens from an older policy than the one being updated (a loss that declares
+    ``without_drift``, FIPO, needs that): a fixed staleness, asynchronous admission of stale samples, or several
+    optimizer steps per batch (every mini-batch after the first sees a moved policy)."""
     ro = cfg.rollout
     return ro.fixed_staleness > 0 or ro.max_head_offpolicyness > 0 or cfg.actor.ppo_n_minibatches > 1
+
+
+fipo_has_drift = has_drift  # the name this module exported first
 
 
 def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
@@ -274,15 +277,23 @@ def _vllm_problems(cfg: ExperimentTree, rb: Backend, total_gpus: int) -> List[Tu
     return out
 
 
+def _without_drift(loss: str) -> str:
+    """The loss's declared ``without_drift`` text ("" for none, or for a name the schema already refused)."""
+    from recipe.registry import get_declaration, is_policy_loss_registered
+
+    return get_declaration(loss).without_drift if is_policy_loss_registered(loss) else ""
+
+
 def _cross_field_warnings(cfg: ExperimentTree) -> List[str]:
     out = []
     g = cfg.gconfig
-    if cfg.actor.loss == "fipo" and not fipo_has_drift(cfg):
-        out.append("actor.loss=fipo acts only through the drift between the behaviour and the current policy, and "
+    without_drift = _without_drift(cfg.actor.loss)
+    if without_drift and not has_drift(cfg):  # the loss's declaration says what it becomes without drift
+        loss = cfg.actor.loss
+        out.append(f"actor.loss={loss} acts only through the drift between the behaviour and the current policy, and "
                    "this run has none: rollout.fixed_staleness=0, rollout.max_head_offpolicyness=0 and "
-                   "actor.ppo_n_minibatches=1, so every ratio is 1 (up to engine noise), every influence weight is 1 "
-                   "and FIPO is the plain clipped PG loss. Set rollout.fixed_staleness>0, "
-                   "rollout.max_head_offpolicyness>0 or actor.ppo_n_minibatches>1 for FIPO to act.")
+                   f"actor.ppo_n_minibatches=1, so {without_drift}. Set rollout.fixed_staleness>0, "
+                   f"rollout.max_head_offpolicyness>0 or actor.ppo_n_minibatches>1 for {loss} to act.")
     if g.greedy:
         out.append("gconfig.greedy=true: every completion of a group is identical, so group-normalised advantages "
                    "are zero. Set gconfig.greedy=false for training (eval_gconfig is separate).")

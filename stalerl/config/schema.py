@@ -247,6 +247,22 @@ class NormConfig(_Section):
     eps: float = _f(1e-4, gt=0.0, help="Added to the std before dividing.")
 
 
+def _clip_field(name: str, help: str) -> Any:
+    """The runtime's field of PPO-clip key ``name``: the group's Param (default, bounds, check), the runtime's help."""
+    from recipe.declaration import PPO_CLIP
+
+    p = PPO_CLIP.param(name)
+    return dataclasses.field(default=p.default, metadata={**p.metadata(), "help": help, "param": p})
+
+
+def _loss_help() -> str:
+    """``actor.loss``'s help, generated from the registry (no loss name is written here)."""
+    from recipe.registry import BUILTIN_POLICY_LOSSES
+
+    return (f"Policy loss, a name registered in recipe.registry (built in: {', '.join(BUILTIN_POLICY_LOSSES)}; a "
+            "plugin's through the recipe.losses entry point, docs/adding-a-loss.md).")
+
+
 @dataclass
 class _ActorFields(_Section):
     """The policy being trained: model, training engine, optimizer and the policy loss. The losses' own parameters
@@ -268,16 +284,16 @@ class _ActorFields(_Section):
     gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")
     optimizer: OptimizerConfig = _f(factory=OptimizerConfig, help="Optimizer.")
-    loss: str = _f("m2po", help="Policy loss, a name registered in recipe.registry (built in: m2po, vanilla, "
-                                "no_trust_region, fipo, m2po_authors: the M2PO authors' adaptive-clip variant, "
-                                "opt-in).")
+    loss: str = _f("m2po", help=_loss_help())
     loss_agg_mode: str = _f("token-mean", help="How per-token losses are aggregated (verl's modes): token-mean, "
                                                "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, "
                                                "seq-mean-token-mean.")
-    eps_clip: float = _f(0.2, ge=0.0, help="PPO clip range (lower side; also the upper side unless "
-                                           "eps_clip_higher is set). Used by the vanilla loss.")
-    eps_clip_higher: Optional[float] = _f(None, ge=0.0, help="Upper clip range (clip-higher); null = eps_clip.")
-    c_clip: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant (> 1) for negative advantages; null = off.")
+    # the shared PPO-clip group (recipe.declaration.PPO_CLIP): its Params give the defaults, bounds and checks
+    eps_clip: float = _clip_field("eps_clip", "PPO clip range (lower side; also the upper side unless "
+                                              "eps_clip_higher is set). Read by the losses that declare it.")
+    eps_clip_higher: Optional[float] = _clip_field("eps_clip_higher", "Upper clip range (clip-higher); null = "
+                                                                      "eps_clip.")
+    c_clip: Optional[float] = _clip_field("c_clip", "Dual-clip constant (> 1) for negative advantages; null = off.")
     ppo_n_minibatches: int = _f(1, ge=1, help="Optimizer steps per train step; must divide "
                                               "train_dataset.batch_size.")
     reward_scaling: float = _f(1.0, help="Rewards become (reward + reward_bias) * reward_scaling.")
@@ -349,8 +365,12 @@ def _loss_param_fields() -> list[tuple[str, type, Any]]:
     """``actor.<name>`` for every parameter of every declared loss (recipe/<loss>/declaration.py, and the losses of
     the ``recipe.losses`` entry points): its default, bounds, choices and help, from the declaration. Two losses may
     share a parameter (m2po and m2po_authors share tau) only if they declare it identically."""
-    from recipe.registry import declarations
+    from recipe.registry import declarations, reserve_param_names
 
+    # The namespace rule: a loss parameter never takes an actor key of the runtime's own (a plugin that does is
+    # refused alone, one logged line naming both owners; recipe.registry.refusals()).
+    reserve_param_names([f.name for f in dataclasses.fields(_ActorFields)],
+                        "the runtime's actor config (actor.<key>, stalerl/config/schema.py)")
     params: dict[str, Any] = {}
     owner: dict[str, str] = {}
     for decl in declarations().values():
@@ -360,7 +380,8 @@ def _loss_param_fields() -> list[tuple[str, type, Any]]:
                                 "a shared parameter needs one declaration (reuse the other loss's Param)")
             params.setdefault(p.name, p)
             owner.setdefault(p.name, decl.name)
-    return [(name, p.kind, _f(p.default_in("stalerl"), help=p.help, choices=p.choices, ge=p.ge, gt=p.gt, le=p.le))
+    # metadata "param": the runtime checks the value with the Param itself (one validation, one message form)
+    return [(name, p.kind, dataclasses.field(default=p.default_in("stalerl"), metadata={**p.metadata(), "param": p}))
             for name, p in params.items()]
 
 

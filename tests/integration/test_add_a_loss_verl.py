@@ -60,6 +60,12 @@ SCRIPT = textwrap.dedent('''
     import _verl_cases as C
 
     out = {"before": before, "registered_by_import_verl": registered_by_import_verl}
+    # beside the good plugin: a plugin named after verl's own gspo, and ones that fail to import or clash
+    from recipe.registry import BUILTIN_POLICY_LOSSES, refusals
+    out["gspo_module"] = core_algos.POLICY_LOSS_REGISTRY["gspo"].__module__
+    out["builtins_in_verl"] = sorted(n for n in BUILTIN_POLICY_LOSSES
+                                     if get_declaration(n).name_in("verl") in core_algos.POLICY_LOSS_REGISTRY)
+    out["refused"] = refusals()
     out["same_function"] = core_algos.get_policy_loss_fn("throwaway") is get_policy_loss_fn("throwaway")
     out["verl_names"] = recipe.verl.VERL_LOSS_NAMES
     import recipe.verl.config as vc
@@ -134,6 +140,8 @@ SCRIPT = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     plugin_dir = throwaway_loss.install(tmp_path_factory.mktemp("site"))
+    throwaway_loss.install_clashing(plugin_dir, "gspo", "verl")  # verl's own loss name (issue 44 item 1)
+    throwaway_loss.install_broken(plugin_dir)
     assert REPO not in plugin_dir.parents  # the loss lives outside the repository: nothing here is edited
     env = throwaway_loss.env_with(plugin_dir)
     env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
@@ -151,6 +159,19 @@ def test_import_verl_registers_the_plugin_loss_as_the_registry_function(result):
     assert result["registered_by_import_verl"] and result["same_function"]
     assert result["verl_names"]["throwaway"] == "throwaway"
     assert result["verl_names"]["stalerl_vanilla"] == "vanilla"
+
+
+def test_a_plugin_named_after_verls_own_loss_is_refused_alone(result):
+    """verl's gspo stays verl's; the throwaway plugin and every built-in still register on ``import verl``; each bad
+    plugin is one line naming it and the fix."""
+    assert not result["gspo_module"].startswith("clash_")
+    assert "gspo" in result["refused"]["verl:gspo"] and "framework_names" in result["refused"]["verl:gspo"]
+    from recipe.registry import BUILTIN_POLICY_LOSSES
+
+    assert result["builtins_in_verl"] == sorted(BUILTIN_POLICY_LOSSES)
+    assert result["registered_by_import_verl"]
+    assert {"broken_import", "name_thief", "clip_thief", "tau_thief"} <= set(result["refused"])
+    assert all("\n" not in line and "Fix:" in line for line in result["refused"].values())
 
 
 def test_config_class_is_generated_from_the_declaration(result):

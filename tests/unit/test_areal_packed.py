@@ -159,3 +159,35 @@ def test_areal_versions_outside_the_tested_range_are_refused_unless_overridden(m
     monkeypatch.setenv(ALLOW_ENV, "areal")
     with pytest.warns(RuntimeWarning, match="outside the tested range"):
         assert check_areal_version("1.1.0") == "1.1.0"
+
+
+def test_a_loss_parameter_named_like_an_areal_field_is_refused_alone() -> None:
+    """The clash check every adapter shares, AReaL's side: AReaL has no loss names of its own, but a loss parameter
+    named like one of its actor fields (``kl_ctl``) would take that field; that loss alone is left out of AReaL's
+    actor config, in one line; every built-in's keys stay."""
+    import dataclasses
+
+    import recipe.registry as registry
+    from recipe.areal import rules
+    from recipe.declaration import LossDeclaration, param
+    from recipe.testing import registry_state
+
+    @dataclasses.dataclass
+    class FakeActorConfig:  # the AReaL fields that matter here
+        kl_ctl: float = 0.0
+        m2_threshold: object = None  # AReaL's own M2PO key (AREAL_OWN_KEYS)
+
+    with registry_state():
+        registry.register_policy_loss(LossDeclaration(
+            name="kl_thief", summary="x", params=(param("kl_ctl", 0.5, help="mine"),)))(lambda **kw: None)
+        old = set(rules._AREAL_FIELDS)
+        try:
+            keys = {name for name, _, _ in rules.loss_param_fields(FakeActorConfig)}
+            losses = rules.usable_losses()
+        finally:
+            rules._AREAL_FIELDS.clear()
+            rules._AREAL_FIELDS.update(old)
+        refused = registry.refusals()
+    assert "kl_thief" not in losses and "kl_ctl" not in keys
+    assert set(registry.BUILTIN_POLICY_LOSSES) <= set(losses) and "fipo_decay_rate" in keys
+    assert "'kl_ctl'" in refused["areal:kl_thief"] and "Fix:" in refused["areal:kl_thief"]

@@ -11,7 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from recipe.declaration import PPO_CLIP
 from recipe.common import (
+    NonFiniteLogProbError,
     LOG_RATIO_CLAMP,
     LOSS_AGG_MODES,
     agg_loss,
@@ -21,11 +23,10 @@ from recipe.common import (
     clamp_log_ratio,
     global_batch_info,
     masked_log_ratio,
-    read_float,
 )
 
 # ----------------------------------------------------------------------------------------------------------------
-# cfg_get / cfg_lookup / read_float
+# cfg_get / cfg_lookup / the PPO-clip group's reader
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -116,43 +117,30 @@ def test_cfg_lookup_default_names_last_path():
     assert cfg_lookup(_Outer(), ("policy_loss.empty", "x"), 1) == (1, "x")
 
 
-@pytest.mark.parametrize("config", _configs(eps=0.3, n=2))
-def test_read_float_reads_and_converts(config):
-    assert read_float(config, ("eps",), 0.2) == 0.3
-    value = read_float(config, ("n",), 0.2)
-    assert value == 2.0 and type(value) is float
-    assert read_float(config, ("missing",), 0.2) == 0.2
+@pytest.mark.parametrize("config", _configs(clip_ratio_low=0.3, eps_clip_higher=2, c_clip=3))
+def test_the_ppo_clip_group_reads_every_config_form(config):
+    """The one reader of the shared PPO clip (recipe.declaration.PPO_CLIP): verl's names first, then the runtime's;
+    numbers normalised to float; an absent upper side is the lower one."""
+    low, high, dual = PPO_CLIP.read(config)
+    assert (low, high, dual) == (0.3, 2.0, 3.0) and type(high) is float
+    assert PPO_CLIP.read({}) == (0.2, 0.2, None)
+    assert PPO_CLIP.read({"eps_clip": 0.1}) == (0.1, 0.1, None)
 
 
 @pytest.mark.parametrize("bad, message", [
     ("abc", "must be a number"),
     (True, "must be a number"),
-    (False, "must be a number"),
     ([0.1], "must be a number"),
-    ({"x": 1}, "must be a number"),
     (float("nan"), "must be finite"),
-    (float("inf"), "must be finite"),
     (-float("inf"), "must be finite"),
     (-0.5, "must be >= 0.0"),
 ])
-def test_read_float_errors_name_the_key(bad, message):
-    config = {"policy_loss": {"m2_threshold": bad}}
-    with pytest.raises(ValueError, match=re.escape("policy_loss.m2_threshold") + ".*" + re.escape(message)):
-        read_float(config, ("policy_loss.m2_threshold", "m2_threshold"), 0.04, minimum=0.0)
-    with pytest.raises(ValueError, match=r"^m2_threshold"):
-        read_float({"m2_threshold": bad}, ("policy_loss.m2_threshold", "m2_threshold"), 0.04, minimum=0.0)
-
-
-def test_read_float_minimum_inclusive_and_exclusive():
-    assert read_float({"c": 0.0}, ("c",), 1.0, minimum=0.0) == 0.0
-    with pytest.raises(ValueError, match=r"c must be > 1.0"):
-        read_float({"c": 1.0}, ("c",), 3.0, minimum=1.0, minimum_inclusive=False)
-    assert read_float({"c": 1.0001}, ("c",), 3.0, minimum=1.0, minimum_inclusive=False) == 1.0001
-
-
-def test_read_float_bad_default_is_reported_too():
-    with pytest.raises(ValueError, match="x must be >= 0"):
-        read_float({}, ("x",), -1.0, minimum=0.0)
+def test_the_ppo_clip_group_refuses_in_param_checks_one_form(bad, message):
+    """One validation: the group's keys are checked by Param.check, naming the key that was read and the fix."""
+    with pytest.raises(ValueError, match=r"^clip_ratio_low " + re.escape(message) + r".*Fix: set clip_ratio_low=0\.2"):
+        PPO_CLIP.read({"clip_ratio_low": bad})
+    with pytest.raises(ValueError, match=r"^c_clip must be > 1\.0, got 1\.0\. Fix: unset c_clip"):
+        PPO_CLIP.read({"c_clip": 1.0})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -392,8 +380,9 @@ def test_check_inputs_non_finite_counts_and_first_position():
     adv[2, 2] = float("nan")
     adv[0, 0] = float("nan")
     mask[0, 0] = False  # padding: ignored
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(NonFiniteLogProbError) as exc:  # a ValueError subclass: divergence is told by its type
         check_inputs("m2po", old, lp, adv, mask)
+    assert isinstance(exc.value, ValueError)
     msg = str(exc.value)
     assert msg.startswith("m2po: non-finite values on valid tokens")
     assert re.search(r"(?<!old_)log_prob: 2 \(first at row 1, token 2\)", msg), msg

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.declaration import MAX, MEAN, SUM, LossDeclaration, Metric, mean_over, param, reduce_metrics
+from recipe.declaration import MAX, MEAN, PPO_CLIP, SUM, LossDeclaration, Metric, mean_over, param, reduce_metrics
 from recipe.registry import (BUILTIN_POLICY_LOSSES, declarations, get_declaration, get_policy_loss_spec,
                              registered_policy_losses)
 
@@ -117,8 +117,75 @@ def test_runtime_config_fields_are_generated_from_the_declarations():
     for decl in declarations().values():
         for p in decl.params:
             f = fields[p.name]
-            assert f.default == p.default_in("stalerl") and f.metadata == p.metadata(), p.name
+            assert f.default == p.default_in("stalerl") and dict(f.metadata) == {**p.metadata(), "param": p}, p.name
     assert fields["m2_threshold"].default == 0.04 and fields["m2_scope"].default == "dp_group"
+    # the runtime's PPO clip is the shared group's: its defaults, bounds and check
+    for p in PPO_CLIP.params:
+        assert fields[p.name].default == p.default and fields[p.name].metadata["param"] is p
+        assert {k: v for k, v in fields[p.name].metadata.items() if k in ("ge", "gt", "le")} == \
+            {k: v for k, v in p.metadata().items() if k in ("ge", "gt", "le")}
+
+
+@pytest.mark.parametrize("override, line", [
+    ("actor.m2_threshold=-1", "invalid config: actor.m2_threshold: must be >= 0.0, got -1.0. Fix: set "
+                              "actor.m2_threshold=0.04."),
+    ("actor.eps_clip=-1", "invalid config: actor.eps_clip: must be >= 0.0, got -1.0. Fix: set actor.eps_clip=0.2."),
+    ("actor.c_clip=1", "invalid config: actor.c_clip: must be > 1.0, got 1.0. Fix: unset actor.c_clip (default: off)."),
+])
+def test_one_validation_the_runtime_speaks_param_checks_form(override, line):
+    """Item 3: the runtime's check of a loss parameter (and of the shared PPO clip) is Param.check itself: the same
+    sentence the loss, verl's config class and the other adapters give, under the runtime's key."""
+    from stalerl.config import load_config
+    from stalerl.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert str(err.value) == line
+    key = override.split("=")[0].split(".", 1)[1]
+    group = {p.name for p in PPO_CLIP.params}
+    param = PPO_CLIP.param(key) if key in group else get_declaration("m2po").param(key)
+    with pytest.raises(ValueError) as direct:
+        param.check(float(override.split("=")[1]), override.split("=")[0])
+    assert str(direct.value) == line.replace("invalid config: ", "").replace(f"{override.split('=')[0]}: ",
+                                                                              f"{override.split('=')[0]} ", 1)
+
+
+def test_the_namespace_rule_refuses_each_collision_in_one_line_naming_both_owners():
+    """Item 2: a parameter named like the shared PPO clip, a call key, another loss's parameter (declared
+    differently) or a runtime actor field is refused at registration; reusing another loss's Param is sharing."""
+    import recipe.registry as registry
+    from recipe.testing import registry_state
+    from stalerl.config.schema import ActorConfig  # noqa: F401 - reserves the runtime's actor fields
+
+    def fn(**kw):  # pragma: no cover - never called
+        raise AssertionError
+
+    cases = {
+        "eps_clip": "is a key of the shared PPO-clip group",
+        "clip_ratio_low": "is a key of the shared PPO-clip group",
+        "loss_agg_mode": "is a key of every loss call",
+        "m2_threshold": "is also a parameter of loss 'm2po'",
+        "ppo_n_minibatches": "is a key of the runtime's actor config",
+    }
+    for name, says in cases.items():
+        with registry_state(), pytest.raises(ValueError) as err:
+            registry.register_policy_loss(LossDeclaration(name="thief", summary="x",
+                                                          params=(param(name, 0.5, help="mine"),)))(fn)
+        message = str(err.value)
+        assert says in message and "'thief'" in message and "Fix:" in message and "\n" not in message, message
+    with registry_state():  # sharing one declaration of the parameter is fine
+        registry.register_policy_loss(LossDeclaration(name="sharer", summary="x",
+                                                      params=get_declaration("m2po").params, step="nothing"))(fn)
+        assert registry.get_policy_loss_fn("sharer") is fn
+    assert "sharer" not in declarations()
+
+
+def test_actor_loss_help_names_no_loss_by_hand():
+    """Item 7: the runtime's ``actor.loss`` help is generated from the registry."""
+    from stalerl.config.schema import ActorConfig
+
+    help_text = {f.name: f for f in dataclasses.fields(ActorConfig)}["loss"].metadata["help"]
+    assert ", ".join(BUILTIN_POLICY_LOSSES) in help_text
 
 
 def test_declarations_load_without_torch():

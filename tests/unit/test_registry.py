@@ -14,6 +14,7 @@ import torch
 
 import recipe
 import recipe.registry as registry
+from recipe.testing import registry_state
 from recipe.registry import (
     PolicyLossSpec,
     get_batch_selector,
@@ -30,11 +31,11 @@ VERL_PARAMS = ["old_log_prob", "log_prob", "advantages", "response_mask", "loss_
 
 
 @pytest.fixture
-def scratch_registry(monkeypatch):
-    """A copy of the registry that the test may change freely."""
+def scratch_registry():
+    """The registry's whole state (recipe.registry.RegistryState) saved and put back: the test may change it."""
     registry._load_builtins()
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    return registry._REGISTRY
+    with registry_state():
+        yield registry._STATE
 
 
 def test_builtins_registered():
@@ -194,3 +195,82 @@ def test_recipe_modules_import_only_torch_and_stdlib(relpath):
     imported = _top_level_imports(ROOT / relpath)
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}
     assert third_party <= {"torch", "recipe"}, third_party
+
+
+# ------------------------------------------------------------------------------------------ issue 44 items 1, 7, 8
+
+
+def test_the_state_fixture_restores_the_whole_registry(scratch_registry):
+    """One state object: a registration, a refusal, a reserved name and a probe flag all go back on restore."""
+    before = registry.snapshot()
+
+    def fn(**kw):  # pragma: no cover - never called
+        raise AssertionError
+
+    from recipe.declaration import LossDeclaration, param
+
+    with registry_state():
+        register_policy_loss(LossDeclaration(name="scratch_loss", summary="x",
+                                             params=(param("scratch_p", 1.0, help="x"),)))(fn)
+        registry.reserve_param_names(["scratch_field"], "a test config")
+        registry._refuse("scratch_plugin", "plugin 'scratch_plugin' refused. Fix: none")
+        assert "scratch_loss" in registry.declarations() and "scratch_plugin" in registry.refusals()
+    after = registry.snapshot()
+    assert vars(after) == vars(before)
+    assert "scratch_loss" not in registry.declarations() and "scratch_field" not in registry._STATE.reserved
+
+
+def _aggregated_per_micro_batch(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                config=None, rollout_is_weights=None):
+    """A loss that ignores global_batch_info: each micro-batch divides by its own tokens (the mistake)."""
+    from recipe.common import agg_loss, check_inputs, clamp_log_ratio, masked_log_ratio
+
+    valid = check_inputs("per_mb", old_log_prob, log_prob, advantages, response_mask)
+    ratio = torch.exp(clamp_log_ratio(masked_log_ratio(old_log_prob, log_prob, valid)))
+    adv = torch.where(valid, advantages.float(), torch.zeros(()))
+    return agg_loss(-adv * ratio, valid, loss_agg_mode), {}
+
+
+def _multiplies_padding(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                        rollout_is_weights=None):
+    """A loss that multiplies by the mask instead of masking: NaN on padding reaches the gradient."""
+    from recipe.common import agg_loss, global_batch_info
+
+    mask = response_mask.float()
+    per_token = -advantages * torch.exp(log_prob - old_log_prob) * mask
+    return agg_loss(per_token, response_mask, loss_agg_mode, **global_batch_info(config)), {}
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_every_builtin_is_split_invariant_by_the_public_helper(name):
+    from recipe.testing import assert_split_invariant
+
+    assert_split_invariant(name, splits=(1, 2, 4))
+
+
+def test_the_split_helper_and_the_registry_probe_catch_the_two_classic_mistakes(scratch_registry, caplog):
+    import logging
+
+    from recipe.declaration import LossDeclaration
+    from recipe.testing import assert_split_invariant
+
+    register_policy_loss(LossDeclaration(name="per_mb", summary="x"))(_aggregated_per_micro_batch)
+    register_policy_loss(LossDeclaration(name="nan_pad", summary="x"))(_multiplies_padding)
+    register_policy_loss(LossDeclaration(name="opted_out", summary="x", split_probe=False))(
+        _aggregated_per_micro_batch)
+    register_policy_loss(LossDeclaration(name="in_process", summary="x"))(_aggregated_per_micro_batch)
+    for name in ("per_mb", "nan_pad", "opted_out"):  # as load_plugins records an entry point's losses
+        registry._STATE.owner[name] = f"plugin {name!r} (test)"
+    with pytest.raises(AssertionError, match="not split-invariant.*agg_loss"):
+        assert_split_invariant("per_mb")
+    with pytest.raises(AssertionError, match="not finite: mask padding with torch.where"):
+        assert_split_invariant("nan_pad")
+    with caplog.at_level(logging.WARNING, logger="recipe.registry"):
+        for name in ("per_mb", "nan_pad", "opted_out", "per_mb", "in_process"):
+            get_policy_loss_fn(name)
+    flags = registry.split_flags()
+    assert set(flags) == {"per_mb", "nan_pad"} and "Fix:" in flags["per_mb"] and "\n" not in flags["per_mb"]
+    warned = [r.getMessage() for r in caplog.records if "split-invariant" in r.getMessage()]
+    # once per plugin loss; never for the one that opted out, nor for a loss registered in-process (the probe calls
+    # the loss: user code, maybe with side effects, is run only for the plugins the registry loads itself)
+    assert len(warned) == 2

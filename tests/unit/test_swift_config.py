@@ -190,3 +190,25 @@ def test_untested_swift_version_is_refused_unless_overridden(monkeypatch):
     monkeypatch.setenv(versions.ALLOW_ENV, "ms-swift")
     with pytest.warns(RuntimeWarning, match="outside the tested range"):
         check_swift_args(_args())
+
+
+def test_a_loss_named_like_swifts_own_is_refused_alone_and_the_others_stay():
+    """The clash check every adapter shares (recipe.registry.usable_declarations), ms-swift's side: a loss whose
+    ms-swift name is one of ms-swift's own (``sapo``) is no ``--loss_type`` of this adapter and has no variables;
+    one logged line says so with the fix; every built-in stays."""
+    import recipe.registry as registry
+    from recipe.declaration import LossDeclaration, param
+    from recipe.swift import config as swift_config
+    from recipe.testing import registry_state
+
+    with registry_state():
+        registry.register_policy_loss(LossDeclaration(
+            name="sapo", summary="a plugin named like ms-swift's",
+            params=(param("sapo_scale", 1.0, gt=0.0, help="x"),)))(lambda **kw: None)
+        types = swift_config.swift_loss_types()
+        env_names = swift_config._all_env_names()
+        refused = registry.refusals()
+    assert "sapo" not in types and "STALERL_SAPO_SCALE" not in env_names
+    assert {registry.get_declaration(n).name_in("swift") for n in registry.BUILTIN_POLICY_LOSSES} <= set(types)
+    assert "swift has its own loss 'sapo'" in refused["swift:sapo"] and "framework_names" in refused["swift:sapo"]
+    assert "\n" not in refused["swift:sapo"]

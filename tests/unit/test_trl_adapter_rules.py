@@ -15,10 +15,8 @@ from recipe.trl.inputs import behaviour_log_probs, loss_mask
 from recipe.trl.losses import (
     STALERL_LOSS_TYPES,
     TRL_LOSS_TYPES,
-    check_no_shadowing,
     check_vllm_logprobs_mode,
     loss_config,
-    trl_loss_types_from_source,
     validate_grpo_args,
 )
 
@@ -91,27 +89,31 @@ def test_vllm_settings_pass_when_they_cannot_act() -> None:
     validate_grpo_args(_args(loss_type="grpo", use_vllm=True))  # TRL's own loss: TRL's correction
 
 
-SOURCE = """
-class GRPOTrainer:
-    def __init__(self, args):
-        if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
-            raise ValueError
-    def _compute_loss(self, model, inputs):
-        if self.loss_type == "cispo":
-            pass
-        elif self.loss_type in ["grpo", "bnpo"]:
-            pass
-        elif self.other == "fipo":
-            pass
-"""
+def test_a_loss_named_like_trls_own_is_refused_alone_and_the_others_stay() -> None:
+    """The clash check every adapter shares (recipe.registry.usable_declarations), TRL's side: a plugin loss named
+    after TRL's own ``sapo``, and one whose parameter is a GRPOConfig field of TRL's, are left out of TRL in one line
+    each; every built-in stays."""
+    import recipe.registry as registry
+    import recipe.trl.losses as trl_losses
+    from recipe.declaration import LossDeclaration, param
+    from recipe.testing import registry_state
 
-
-def test_trl_loss_types_are_read_from_the_comparisons_with_loss_type() -> None:
-    assert sorted(trl_loss_types_from_source(SOURCE)) == ["bnpo", "cispo", "grpo", "luspo"]
-    check_no_shadowing(trl_loss_types_from_source(SOURCE))
-    with pytest.raises(RuntimeError, match="own loss_type 'fipo'") as err:
-        check_no_shadowing(trl_loss_types_from_source(SOURCE.replace("self.other", "self.loss_type")), "9.9")
-    assert "\n" not in str(err.value)
+    with registry_state():
+        registry.register_policy_loss(LossDeclaration(name="sapo", summary="a plugin named like TRL's"))(
+            lambda **kw: None)
+        registry.register_policy_loss(LossDeclaration(name="takes_beta", summary="a TRL field as a parameter",
+                                                      params=(param("beta", 0.1, help="mine"),)))(lambda **kw: None)
+        old = trl_losses.TRL_OWN_FIELDS
+        trl_losses.TRL_OWN_FIELDS = ("beta", "epsilon", "loss_type")
+        try:
+            ours = trl_losses.stalerl_loss_types()
+        finally:
+            trl_losses.TRL_OWN_FIELDS = old
+        refused = registry.refusals()
+    assert "sapo" not in ours and "takes_beta" not in ours
+    assert set(registry.BUILTIN_POLICY_LOSSES) <= {d.name for d in trl_losses.declarations().values()}
+    assert "trl has its own loss 'sapo'" in refused["trl:sapo"] and "framework_names" in refused["trl:sapo"]
+    assert "'beta'" in refused["trl:takes_beta"] and "\n" not in refused["trl:takes_beta"]
     assert not set(STALERL_LOSS_TYPES) & set(TRL_LOSS_TYPES)
 
 

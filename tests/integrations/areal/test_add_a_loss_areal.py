@@ -88,6 +88,7 @@ SCRIPT = textwrap.dedent('''
 
 def test_a_throwaway_loss_runs_through_arealss_own_update(tmp_path: Path) -> None:
     pkg = throwaway_loss.install(tmp_path / "pkg")
+    throwaway_loss.install_broken(pkg)  # beside the good plugin, each refused alone (issue 44 item 1)
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(HERE), str(REPO), str(tmp_path)], cwd=REPO,
                          env=throwaway_loss.env_with(pkg), capture_output=True, text=True, timeout=900)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]

@@ -42,6 +42,10 @@ def _argv(root: Path, ws: dict, name: str) -> list[str]:
 
 def test_throwaway_loss_runs_through_swift_rlhf(tmp_path: Path) -> None:
     site = throwaway_loss.install(tmp_path / "site")
+    # beside the good plugin (issue 44 item 1): one named after ms-swift's own sapo, and ones that fail to import or
+    # clash; each is refused alone, and the throwaway below still trains
+    throwaway_loss.install_clashing(site, "sapo", "swift")
+    throwaway_loss.install_broken(site)
     reward, capture, _ = write_plugins(tmp_path / "plugins")
     ws = {"reward": reward, "capture": capture, "model": build_model_dir(tmp_path / "model"),
           "data": write_dataset(tmp_path / "data.jsonl")}
@@ -84,3 +88,31 @@ def test_throwaway_loss_runs_through_swift_rlhf(tmp_path: Path) -> None:
             assert entry["throwaway/num_tokens"] == sum(tokens)
             mean = sum(t * r["metrics"]["throwaway/ratio_mean"] for t, r in zip(tokens, step)) / sum(tokens)
             assert abs(entry["throwaway/ratio_mean"] - mean) <= 1e-6
+
+
+def test_the_pinned_swift_loss_types_are_the_installed_ms_swifts_and_a_clashing_plugin_is_refused_alone(
+        tmp_path: Path) -> None:
+    """recipe.swift.config.SWIFT_LOSS_TYPES (pinned) names every loss type the installed ms-swift's GRPO trainer
+    compares ``self.loss_type`` with; a plugin named like one of them is no ``--loss_type`` of the adapter (one
+    logged line), the good plugin beside it is."""
+    import inspect
+    import re
+
+    from swift.rlhf_trainers import grpo_trainer
+
+    from recipe.swift.config import SWIFT_LOSS_TYPES
+
+    source = inspect.getsource(grpo_trainer)
+    compared = set(re.findall(r"self\.loss_type\s*==\s*'([a-z_]+)'", source))
+    for group in re.findall(r"self\.loss_type\s+in\s+\[([^\]]*)\]", source):
+        compared |= set(re.findall(r"'([a-z_]+)'", group))
+    assert compared <= set(SWIFT_LOSS_TYPES), f"ms-swift's loss types are now {sorted(compared)}"
+    site = throwaway_loss.install(tmp_path / "site")
+    throwaway_loss.install_clashing(site, "sapo", "swift")
+    code = ("from recipe.swift.config import swift_loss_types; from recipe.registry import refusals; "
+            "t = swift_loss_types(); r = refusals(); "
+            "assert 'throwaway' in t and 'sapo' not in t, t; "
+            "assert \"swift has its own loss 'sapo'\" in r['swift:sapo'], r; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], env=throwaway_loss.env_with(site, dict(os.environ)),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

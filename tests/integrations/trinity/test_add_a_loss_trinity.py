@@ -80,6 +80,7 @@ SCRIPT = textwrap.dedent('''
 
 def test_a_throwaway_loss_runs_through_trinitys_own_loss_path(tmp_path: Path) -> None:
     pkg = throwaway_loss.install(tmp_path / "pkg")
+    throwaway_loss.install_broken(pkg)  # beside the good plugin, each refused alone (issue 44 item 1)
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(HERE), str(tmp_path)], cwd=REPO,
                          env=throwaway_loss.env_with(pkg), capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]

@@ -26,7 +26,9 @@ from trl_cases import base_args, digit_reward, prompts_dataset, tiny_model_and_t
 from recipe.trl import GRPOConfig, GRPOTrainer, STALERL_LOSS_TYPES
 from recipe.registry import get_policy_loss_fn
 
-out = {"loss_types": list(STALERL_LOSS_TYPES)}
+from recipe.registry import refusals, registered_policy_losses
+
+out = {"loss_types": list(STALERL_LOSS_TYPES), "refusals": refusals(), "registered": registered_policy_losses()}
 field = {f.name: f for f in dataclasses.fields(GRPOConfig)}["tl_scale"]
 out["field"] = [field.default, field.metadata["help"]]
 try:
@@ -69,6 +71,8 @@ print("RESULT " + json.dumps(out))
 def test_throwaway_loss_runs_through_trls_grpo_trainer(tmp_path: Path) -> None:
     require_trl()
     site = throwaway_loss.install(tmp_path / "site")
+    throwaway_loss.install_clashing(site, "vespo", "trl")  # TRL's own loss name, beside the good plugin (issue 44)
+    throwaway_loss.install_broken(site)
     env = throwaway_loss.env_with(site)
     env["PYTHONPATH"] = str(Path(__file__).parent) + ":" + env["PYTHONPATH"]
     res = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", "-c", SCRIPT, str(tmp_path / "out")],
@@ -76,6 +80,15 @@ def test_throwaway_loss_runs_through_trls_grpo_trainer(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.split("RESULT ", 1)[1])
     assert "throwaway" in out["loss_types"]
+    # the plugin named after TRL's vespo is refused in TRL alone (one line, the fix named); the bad plugins too;
+    # every built-in keeps its loss_type
+    assert "vespo" not in out["loss_types"] and "vespo" in out["registered"]
+    assert "trl has its own loss 'vespo'" in out["refusals"]["trl:vespo"]
+    assert {"broken_import", "name_thief", "clip_thief", "tau_thief"} <= set(out["refusals"])
+    assert all("\n" not in line and "Fix:" in line for line in out["refusals"].values())
+    from recipe.registry import BUILTIN_POLICY_LOSSES, get_declaration
+
+    assert {get_declaration(n).name_in("trl") for n in BUILTIN_POLICY_LOSSES} <= set(out["loss_types"])
     assert out["field"][0] == 1.0 and "scale" in out["field"][1]
     # refused at construction, before any model or update, in one line naming the generated field
     assert out["refused"] is not None and "GRPOConfig.tl_scale" in out["refused"] and "\n" not in out["refused"]

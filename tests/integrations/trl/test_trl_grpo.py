@@ -184,23 +184,23 @@ def test_builtin_loss_types_are_trls_own(tmp_path: Path, loss_type: str) -> None
     assert not any(k.startswith(("m2po/", "fipo/")) for row in ours.state.log_history for k in row)
 
 
-def test_trl_loss_types_are_read_from_the_installed_trl_and_ours_shadow_none() -> None:
-    """TRL's loss_type names come from the installed TRL's source; if TRL gains one of ours (its FIPO PR names its
-    loss "fipo") this test fails, and so does importing recipe.trl (check_no_shadowing)."""
+def test_the_pinned_trl_loss_types_are_the_installed_trls_and_ours_shadow_none() -> None:
+    """TRL has no public registry of its loss types: recipe.trl pins them (TRL_LOSS_TYPES), and this test keeps the
+    pin equal to the values the installed ``trl.GRPOConfig`` documents for ``loss_type`` (its field help). A loss of
+    ours whose TRL name is one of them is refused in TRL alone (recipe.registry.usable_declarations)."""
     require_trl()
-    from recipe.trl import STALERL_LOSS_TYPES, TRL_LOSS_TYPES
-    from recipe.trl.config import TRL_SOURCES
-    from recipe.trl.losses import check_no_shadowing, trl_loss_types_from_source
+    import dataclasses
+    import re
 
-    theirs = trl_loss_types_from_source(*TRL_SOURCES)
-    assert set(theirs) == set(TRL_LOSS_TYPES), f"TRL's loss types are now {theirs}; update TRL_LOSS_TYPES"
-    assert not set(theirs) & set(STALERL_LOSS_TYPES)
-    # the guard the import runs, on TRL's source with a "fipo" branch added as TRL's PR #5434 adds it
-    patched = TRL_SOURCES[0].replace('if self.loss_type == "cispo":', 'if self.loss_type == "fipo":\n            pass\n'
-                                     '        elif self.loss_type == "cispo":', 1)
-    assert patched != TRL_SOURCES[0]
-    with pytest.raises(RuntimeError, match="has its own loss_type 'fipo'"):
-        check_no_shadowing(trl_loss_types_from_source(patched, TRL_SOURCES[1]), "1.17.0.dev0")
+    import trl
+
+    from recipe.trl import STALERL_LOSS_TYPES, TRL_LOSS_TYPES
+
+    help_text = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}["loss_type"].metadata["help"]
+    supported = help_text.split("Supported values are", 1)[1].split(". ", 1)[0]
+    theirs = set(re.findall(r"'([a-z_]+)'", supported))
+    assert theirs == set(TRL_LOSS_TYPES), f"TRL's loss types are now {sorted(theirs)}; update TRL_LOSS_TYPES"
+    assert not theirs & set(STALERL_LOSS_TYPES)
 
 
 def test_trl_vllm_importance_sampling_defaults_are_trls() -> None:
