@@ -117,6 +117,14 @@ def check_inputs(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, 
     if valid.numel() == 0:
         return valid
     with torch.no_grad():
+        # Fast path: a NaN or inf on a valid token makes that tensor's masked sum non-finite, so three masked sums
+        # (one pass each, one host sync) clear the common case. A non-finite sum (a bad value, or a finite overflow)
+        # goes to the exact per-token count below, which alone decides and words the error.
+        zero = torch.zeros((), device=valid.device)
+        sums = torch.stack([torch.where(valid, t.detach(), zero).sum(dtype=torch.float32)
+                            for t in (log_prob, old_log_prob, advantages)])
+        if bool(torch.isfinite(sums).all()):
+            return valid
         bad_parts = [~torch.isfinite(t.detach()) & valid for t in (log_prob, old_log_prob, advantages)]
         counts = torch.stack([b.sum() for b in bad_parts]).tolist()  # one host sync for all three
     if any(counts):
@@ -140,7 +148,7 @@ def clamp_log_ratio(x: torch.Tensor, bound: float = LOG_RATIO_CLAMP) -> torch.Te
 def masked_log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """log(pi_theta/pi_behaviour) in fp32, zero (and gradient-free) on padding."""
     d = log_prob.float() - old_log_prob.detach().float()
-    return torch.where(valid, d, torch.zeros_like(d))
+    return torch.where(valid, d, torch.zeros((), dtype=d.dtype, device=d.device))
 
 
 def ppo_clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,

@@ -435,3 +435,27 @@ def test_masked_log_ratio_squares_exactly_in_fp32():
     d = masked_log_ratio(torch.zeros_like(lp), lp, torch.ones(1, 1, dtype=torch.bool))
     assert (d * d).item() == pytest.approx(0.2001953125 ** 2, rel=1e-7)
     assert not math.isclose((d * d).item(), float((lp * lp).item()), rel_tol=1e-4)
+
+
+def test_check_inputs_fast_path_agrees_with_the_exact_count_on_random_batches():
+    """check_inputs clears a batch by three masked sums and falls back to the exact per-token count when a sum is
+    not finite: finite values whose sum overflows pass, one bad valid token anywhere fails, on random batches."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        old, lp, adv, mask = _inputs(5, 7)
+        mask = torch.rand(5, 7, generator=g) > 0.3
+        target = [old, lp, adv][trial % 3]
+        kind = trial % 4
+        r, c = int(torch.randint(5, (1,), generator=g)), int(torch.randint(7, (1,), generator=g))
+        if kind == 0:  # finite but huge on valid tokens: the masked sum overflows to inf, the values are fine
+            target[mask] = 3e38
+            assert torch.equal(check_inputs("x", old, lp, adv, mask), mask)
+        elif kind in (1, 2):
+            target[r, c] = float("nan") if kind == 1 else -float("inf")
+            if bool(mask[r, c]):
+                with pytest.raises(NonFiniteLogProbError):
+                    check_inputs("x", old, lp, adv, mask)
+            else:
+                assert torch.equal(check_inputs("x", old, lp, adv, mask), mask)
+        else:
+            assert torch.equal(check_inputs("x", old, lp, adv, mask), mask)
