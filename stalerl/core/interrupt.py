@@ -4,9 +4,11 @@ What Slurm's scancel, Kubernetes, Ray and a shell's ``kill`` send first is SIGTE
 
 - during the training steps, asks the loop to stop at the end of the step in progress: the loop then writes a final
   checkpoint of that step (when checkpoints are on) and raises :class:`RunInterrupted`. If the step and that
-  checkpoint have not finished within :data:`GRACE_S` seconds (``STALERL_STOP_GRACE_S``), or a second signal arrives
-  at least a second after the first, the run stops at once instead, without the final checkpoint: the previous one
-  is intact (checkpoints are atomic), so a resume repeats at most the steps since it;
+  checkpoint have not finished within :data:`GRACE_S` seconds (``STALERL_STOP_GRACE_S``), the step in progress is
+  abandoned (:attr:`RunInterrupted.abandoned`): the loop writes the checkpoint of the last *completed* step instead,
+  from the copy it keeps of it (:mod:`stalerl.training.last_step`), so a resume repeats at most the abandoned
+  step. A second signal at least a second after the first stops at once, without any final checkpoint (the user
+  insists; the previous checkpoint is intact: checkpoints are atomic);
 - inside :class:`polled` (a driver waiting on a Ray task, a local sweep waiting on its run's process) only records
   the signal: raising it there would cut a library call in half (inside ``ray.wait`` it becomes a ``SystemError``),
   so the waiting loop polls :func:`stop_requested` / :func:`signals_received` and passes the signal on;
@@ -42,15 +44,24 @@ def signal_name(signum: int) -> str:
 
 class RunInterrupted(BaseException):
     """The run was stopped by a signal. A BaseException (like KeyboardInterrupt), so no ``except Exception`` on the way
-    up swallows it. ``checkpoint_step``: the step of the final checkpoint written on the way out, if any."""
+    up swallows it. ``checkpoint_step``: the step of the final checkpoint written on the way out, if any.
+    ``abandoned``: the step in progress was cut (the grace ran out, or a worker it needed stopped), so the training
+    loop may write the checkpoint of the last completed step on the way out (:meth:`saved`)."""
 
     def __init__(self, signum: int, *, step: Optional[int] = None, checkpoint_step: Optional[int] = None,
-                 note: str = ""):
+                 note: str = "", abandoned: bool = False):
         self.signum = int(signum)
         self.step = step
         self.checkpoint_step = checkpoint_step
         self.note = note
+        self.abandoned = abandoned
         super().__init__(self.message())
+
+    def saved(self, step: int, checkpoint_step: Optional[int]) -> "RunInterrupted":
+        """The same interruption, as the loop reports it: at ``step`` (the last completed one), with the checkpoint
+        it wrote on the way out (None: none could be written)."""
+        return RunInterrupted(self.signum, step=step, checkpoint_step=checkpoint_step, note=self.note,
+                              abandoned=self.abandoned)
 
     @property
     def exit_code(self) -> int:
@@ -64,6 +75,12 @@ class RunInterrupted(BaseException):
         where = f" at step {self.step}" if self.step is not None else ""
         if self.checkpoint_step is not None:
             saved = f"final checkpoint of step {self.checkpoint_step} written; the same command resumes from it"
+            if self.abandoned:  # the checkpoint of the last completed step: the cut one is done again
+                saved += f" and repeats step {self.checkpoint_step + 1}"
+            if self.note:
+                saved = f"{self.note}: {saved}"
+        elif self.abandoned:
+            saved = f"{self.note}: stopped without a final checkpoint (the last one written, if any, is intact)"
         else:
             saved = self.note or "no final checkpoint (the last one written, if any, is intact)"
         return f"interrupted by {self.signal_name}{where}; {saved}"
@@ -92,6 +109,7 @@ class StopRequests:
         self.received = 0  # signals received so far (a waiting driver passes each new one on)
         self.last_signum: Optional[int] = None
         self.expired = False
+        self._expiring = False  # set by the grace timer just before it interrupts the main thread
         self._previous: dict[int, Any] = {}
         self._timer: Optional[threading.Timer] = None
         self._installed = False
@@ -137,10 +155,10 @@ class StopRequests:
                       "save (a second signal stops at once)", flush=True)
             return
         if self.signum is not None:
-            if self.expired:
-                raise RunInterrupted(self.signum, note=f"the step did not end within {self.grace_s:g}s: stopped "
-                                                       "without a final checkpoint (the last one written, if any, "
-                                                       "is intact)")
+            if self._expiring:  # the grace timer's call: the loop saves its last completed step on the way out
+                self._expiring = False
+                raise RunInterrupted(self.signum, note=f"the step did not end within {self.grace_s:g}s",
+                                     abandoned=True)
             if now - self.first_at < _REPEAT_S:
                 return  # the same request twice (e.g. from Slurm and from the job's shell)
             raise RunInterrupted(self.signum, note="stopped at once by a second signal, without a final "
@@ -160,6 +178,7 @@ class StopRequests:
         self.expired = True
         if self.shielding:  # the final save is under way: let it end (the marker is written last)
             return
+        self._expiring = True
         _thread.interrupt_main(self.signum)  # runs _handle in the main thread, which then raises
 
     # ---------------------------------------------------------------- the loop's side
@@ -228,3 +247,30 @@ def stop_now(signum: Optional[int] = None, **kwargs: Any) -> RunInterrupted:
     return RunInterrupted(signum if signum is not None else (stop_requested() or signal.SIGTERM), **kwargs)
 
 
+
+
+# Test hook: STALERL_TEST_PAUSE="<phase>@<step>:<seconds>" pauses the run once, in ``phase`` ("generation": after the
+# step's batch was generated; "update": after the update's first optimizer step) of step ``step`` (the step whose
+# metrics row is ``step``), and creates the file STALERL_TEST_PAUSE_MARK then, so a test can land a real signal
+# there and let the grace run out mid-step (tests/e2e/test_stop_keeps_work.py). Unset (always, outside those tests):
+# nothing happens.
+PAUSE_ENV = "STALERL_TEST_PAUSE"
+PAUSE_MARK_ENV = "STALERL_TEST_PAUSE_MARK"
+_paused: set[str] = set()
+
+
+def pause_for_test(phase: str, step: int) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    where, _, seconds = spec.partition(":")
+    if where != f"{phase}@{step}" or where in _paused:
+        return
+    _paused.add(where)
+    mark = os.environ.get(PAUSE_MARK_ENV)
+    if mark:
+        with open(mark, "w") as fh:
+            fh.write(f"{where}\n")
+    end = time.monotonic() + float(seconds or 60)
+    while time.monotonic() < end:  # short sleeps: the grace timer's interruption is handled within 50 ms
+        time.sleep(0.05)

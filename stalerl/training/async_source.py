@@ -39,7 +39,7 @@ from stalerl.core import interrupt
 from stalerl.core.io import atomic_torch_save
 from stalerl.rollout.batch import RolloutBatch, concat_batches
 from stalerl.training.mismatch import fresh_rows
-from stalerl.training.sources import EvalPlan, MismatchProbe, RolloutSource, StepTimes
+from stalerl.training.sources import EvalPlan, MismatchProbe, RolloutSource, StepTimes, copied_except_actor
 from stalerl.training.staleness import StalenessManager, staleness_stats
 from stalerl.training.workers.hosting import make_hosting, worker_resources
 from stalerl.training.workers.process import WorkerFailure, WorkerProcess, failure_exit_code
@@ -262,8 +262,8 @@ class AdmissionSource(RolloutSource):
         if self.failure is not None:
             signum = interrupt.stop_requested()
             if signum is not None:  # a signal to the whole job (Slurm, a process group) also reached the workers
-                raise interrupt.stop_now(signum, step=self.version, note="a worker stopped before the step ended: no "
-                                         "final checkpoint (the last one written, if any, is intact)")
+                raise interrupt.stop_now(signum, step=self.version, note="a worker stopped before the step ended",
+                                         abandoned=True)  # the loop saves the last completed step
             raise self.failure
 
     # ------------------------------------------------------------------ dispatcher thread
@@ -458,6 +458,23 @@ class AdmissionSource(RolloutSource):
             state = loop_state(actor_state)
             state.update(self.state_dict())
         return state
+
+    def snapshot_state(self, loop_state, actor_placeholder) -> dict[str, Any]:
+        """The step boundary's state without waiting for evaluations (checkpoint_state waits for those of earlier
+        steps): rows held for an evaluation of an earlier step that is still running are kept without it (a resume
+        from this snapshot writes them as they are; its own step's evaluation is re-run). A sharded actor keeps no
+        snapshot (stalerl.training.last_step), so no collective is needed here."""
+        with self.cond:
+            saved_with_held_rows = self.saved_with_held_rows  # describes the last checkpoint, not this snapshot
+            state = loop_state(actor_placeholder)
+            state.update(self.state_dict())
+            self.saved_with_held_rows = saved_with_held_rows
+            return copied_except_actor(state, actor_placeholder)
+
+    def abandon_logger(self, logger) -> None:
+        """Rows held back for a running evaluation stay unwritten: the snapshot saved holds them (with their step's
+        evaluation re-run at resume), so they are not written now without it."""
+        getattr(logger, "inner", logger).close()
 
     def state_dict(self) -> dict[str, Any]:
         """Under self.cond. "fifo" and "tasks_generated" are the synchronous source's keys, kept as they always were

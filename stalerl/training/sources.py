@@ -16,6 +16,7 @@ from the parts of the trainer it uses, named one by one (its ``__init__`` takes 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from abc import ABC, abstractmethod
@@ -25,6 +26,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
+from stalerl.core import interrupt
 from stalerl.rollout.batch import RolloutBatch
 from stalerl.rollout.engine import evaluate_engine, generation_seed
 from stalerl.training.mismatch import engine_mismatch
@@ -185,6 +187,20 @@ class RolloutSource(ABC):
         state.update(self.state_dict())
         return state
 
+    def snapshot_state(self, loop_state: Callable[[Optional[dict[str, Any]]], dict[str, Any]],
+                       actor_placeholder: Any) -> dict[str, Any]:
+        """What :meth:`checkpoint_state` would save now, as an independent copy, with ``actor_placeholder`` for the
+        actor's state (stalerl.training.last_step copies that only when it is about to change). Taken at every step
+        boundary, so it waits for nothing."""
+        state = loop_state(actor_placeholder)
+        state.update(self.state_dict())
+        return copied_except_actor(state, actor_placeholder)
+
+    def abandon_logger(self, logger: Any) -> None:
+        """The step in progress is abandoned (the run stops; the checkpoint of the last completed step is saved):
+        close the metrics log as it stands (a resume drops rows beyond its checkpoint)."""
+        logger.close()
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -193,6 +209,13 @@ class RolloutSource(ABC):
     def load_state_dict(self, state: dict[str, Any], version: int) -> None:
         """From the checkpoint's top level; ``version``: its step."""
         raise NotImplementedError
+
+
+def copied_except_actor(state: dict[str, Any], actor_placeholder: Any) -> dict[str, Any]:
+    """A deep copy of ``state`` but its actor entry (the placeholder), so the step's later work changes nothing in
+    it (the FIFO's batches, held metric rows, RNG arrays)."""
+    rest = copy.deepcopy({k: v for k, v in state.items() if k != "actor"})
+    return {**rest, "actor": actor_placeholder}
 
 
 def peak_memory_metrics(device: torch.device) -> dict[str, float]:
@@ -263,6 +286,7 @@ class FixedStalenessSource(RolloutSource):
         batch = self.engine.generate([e.question for e in examples], [e.final for e in examples],
                                      n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, **seeds)
+        interrupt.pause_for_test("generation", self.version + 1)  # data, RNG and task counter have moved
         if self.behavior_logp == "recompute":
             # The authors' choice: behaviour log-probs from the training engine at the generating weights (which
             # are the current weights at generation time in this loop), so train/infer mismatch stays out of M2.

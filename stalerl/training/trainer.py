@@ -36,6 +36,7 @@ from stalerl.training.sources import (EvalPlan, FixedStalenessSource, MismatchPr
                                       eval_subset)
 from stalerl.training.staleness import staleness_stats
 from stalerl.training import trial_dir
+from stalerl.training.last_step import LIVE, LastStep
 from stalerl.training.warm_start import warm_start
 
 from stalerl.core.launch_env import LAUNCH_TIME_ENV  # noqa: E402,F401 - re-exported
@@ -146,10 +147,16 @@ class Trainer:
                      f"{self.actor.chunked_logprobs_reason} (each update records actor/chunked_logprobs=0)")
         self.engine = self._build_engine(in_process=source.in_process)
         self.step = 0  # optimizer steps taken = the trainer's weight version
+        self.on_disk_step: Optional[int] = None  # the step of the newest checkpoint this trial has on disk
+        self.last_saved_at = time.monotonic()  # recover.freq_minutes counts from here (the last checkpoint)
+        self.last_step = LastStep()  # the last completed step not on disk yet, saved if a stop cuts the next one
         self.warm_start_done = False
         self.eval_plan = EvalPlan(self.valid_examples, self.eval_subset, self.total_steps)
         self.probe = MismatchProbe(cfg.stats_logger, cfg.actor.behavior_logp)  # stats_logger.mismatch_freq_steps
         self.source = source.for_trainer(self)
+        if os.environ.get(interrupt.PAUSE_ENV, "").startswith("update@"):  # a test lands a stop mid-update
+            self.actor.optimizer.register_step_post_hook(
+                lambda *_: interrupt.pause_for_test("update", self.step + 1))
 
     # ------------------------------------------------------------------ pieces
     def _build_engine(self, *, in_process: bool = True):
@@ -261,6 +268,7 @@ class Trainer:
                             f"{self.total_steps}: nothing to train. Raise total_train_steps to extend it, use a new "
                             "trial_name, or recover.mode=disabled to start over")
         self.restore(state)
+        self.on_disk_step = step
         self.resume_rows = state.get("metrics_rows")  # its step's metrics lines, should the file have lost them
         self.log(f"resumed from checkpoint at step {step} ({self.run_dir})")
         return step
@@ -311,49 +319,107 @@ class Trainer:
         progress = Progress(self.total_steps, enabled=cfg.stats_logger.progress_bar, initial=self.step)
         last: dict[str, Any] = {}
         startup_s = time.time() - self.launch_time - self.excluded_s
+        self.last_saved_at = time.monotonic()
         while self.step < self.total_steps:
+            self._keep_last_step()
             try:
-                last = self.train_step()
-            except ValueError as exc:  # the loss refuses non-finite log-probs on valid tokens (recipe.common)
-                if "non-finite" not in str(exc):
+                last, startup_s = self._one_step(logger, progress, final, startup_s)
+            except interrupt.RunInterrupted as stop:
+                if not stop.abandoned:
                     raise
-                logger.close()
-                raise TrainingDiverged(self.step + 1, str(exc).splitlines()[0][:300]) from exc
-            bad = nonfinite(last)
-            if bad:  # logged (the curves end here), never evaluated or checkpointed
-                logger.log(self.step, last)
-                logger.close()
-                raise TrainingDiverged(self.step, ", ".join(bad))
-            if self.step >= self.total_steps:
-                final.enter_context(interrupt.shielded())
-            if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
-                last["timing/startup_overhead_s"] = startup_s
-                startup_s = None
-            step = self.step
-            if cfg.evaluator.freq_steps and (step % cfg.evaluator.freq_steps == 0 or step == self.total_steps):
-                t_eval = time.perf_counter()
-                last.update(self.evaluate())
-                last["timing/eval_s"] = time.perf_counter() - t_eval  # asynchronous: the time to hand it off
-            logger.log(step, last)
-            self.source.log_finished_evaluations(logger, wait=False)
-            progress.update(step, last)
-            if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
-                self.log(format_summary(step, last, SUMMARY_KEYS))
-            saved = cfg.recover.mode != "disabled" and cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0
-            if saved:
-                self.save_checkpoint()
-            if interrupt.stop_requested() is not None and step < self.total_steps:
-                self._stop_for_signal(logger, progress, saved=bool(saved))
+                self._stop_with_last_step(stop, logger, progress)
         progress.close()
         self.source.log_finished_evaluations(logger, wait=True)
         logger.close()
-        if cfg.recover.mode != "disabled" and resumed != self.step and self.step % cfg.recover.freq_steps:
+        if cfg.recover.mode != "disabled" and self.on_disk_step != self.step:
             self.save_checkpoint()  # the last step too, so a finished trial can be extended from where it ended
         if cfg.saver.save_final:
             self.save_model(self.run_dir / "final_model")
         trial_dir.write_finished(self.run_dir, step=self.step, total_steps=self.total_steps,
                                  steps_per_epoch=self.steps_per_epoch())
         return last
+
+    def _one_step(self, logger: MetricsLogger, progress: Progress, final: contextlib.ExitStack,
+                  startup_s: Optional[float]) -> tuple[dict[str, Any], Optional[float]]:
+        """One step: train, evaluate when due, log, checkpoint when due, stop when a signal asked for it. Returns
+        its row and the start-up time still to log (None once logged)."""
+        cfg = self.cfg
+        try:
+            last = self.train_step()
+        except ValueError as exc:  # the loss refuses non-finite log-probs on valid tokens (recipe.common)
+            if "non-finite" not in str(exc):
+                raise
+            logger.close()
+            raise TrainingDiverged(self.step + 1, str(exc).splitlines()[0][:300]) from exc
+        bad = nonfinite(last)
+        if bad:  # logged (the curves end here), never evaluated or checkpointed
+            logger.log(self.step, last)
+            logger.close()
+            raise TrainingDiverged(self.step, ", ".join(bad))
+        if self.step >= self.total_steps:
+            final.enter_context(interrupt.shielded())
+        if startup_s is not None:  # seconds from launch to the first step, warm start and eval excluded
+            last["timing/startup_overhead_s"] = startup_s
+            startup_s = None
+        step = self.step
+        if cfg.evaluator.freq_steps and (step % cfg.evaluator.freq_steps == 0 or step == self.total_steps):
+            t_eval = time.perf_counter()
+            last.update(self.evaluate())
+            last["timing/eval_s"] = time.perf_counter() - t_eval  # asynchronous: the time to hand it off
+        logger.log(step, last)
+        self.source.log_finished_evaluations(logger, wait=False)
+        progress.update(step, last)
+        if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
+            self.log(format_summary(step, last, SUMMARY_KEYS))
+        saved = self.checkpoint_due(step)
+        if saved:
+            self.save_checkpoint()
+        if interrupt.stop_requested() is not None and step < self.total_steps:
+            self._stop_for_signal(logger, progress, saved=saved)
+        return last, startup_s
+
+    def checkpoint_due(self, step: int) -> bool:
+        """recover.freq_steps, or recover.freq_minutes since the last checkpoint (when checkpoints are on)."""
+        rc = self.cfg.recover
+        if rc.mode == "disabled":
+            return False
+        if rc.freq_steps and step % rc.freq_steps == 0:
+            return True
+        return bool(rc.freq_minutes) and time.monotonic() - self.last_saved_at >= rc.freq_minutes * 60.0
+
+    def _keep_last_step(self) -> None:
+        """At a step boundary: keep the completed step's state (stalerl.training.last_step) unless it is on disk
+        already, checkpoints are off, or the actor is sharded (its state is a collective)."""
+        self.boundary_step = self.step
+        if (self.cfg.recover.mode == "disabled" or self.on_disk_step == self.step
+                or getattr(self.actor, "sharded", False) or getattr(self.source, "fsdp", False)):
+            self.last_step.clear()
+            return
+        state = self.source.snapshot_state(self._loop_state, LIVE)
+        logger = getattr(self, "metrics_logger", None)
+        state["metrics_rows"] = logger.rows_of(self.step) if logger is not None else []
+        self.last_step.keep(self.step, state)
+
+    def _stop_with_last_step(self, stop: interrupt.RunInterrupted, logger: MetricsLogger, progress: Progress) -> None:
+        """The step in progress was cut (the grace ran out, or a worker it needed stopped): write the checkpoint of
+        the last completed step from its snapshot, so a resume repeats only the cut step, and stop. Shielded: a
+        repeated signal (a second or more later) still stops at once, leaving the previous checkpoint intact."""
+        with interrupt.shielded():
+            progress.close()
+            self.source.abandon_logger(logger)
+            if self.on_disk_step is not None and self.on_disk_step >= self.step:
+                # the step ended and its checkpoint was written before the cut (e.g. in an evaluation's wait)
+                raise interrupt.stop_now(stop.signum, step=self.step, checkpoint_step=self.on_disk_step)
+            if self.last_step.held:
+                step = self.last_step.step
+                self.save_checkpoint(step=step, state=self.last_step.state(self.actor.state_dict))
+                raise stop.saved(step, step)
+            if self.on_disk_step is not None and self.on_disk_step == self.boundary_step:
+                raise stop.saved(self.boundary_step, self.on_disk_step)  # on disk already: nothing was kept
+            why = ("recover.mode=disabled" if self.cfg.recover.mode == "disabled" else
+                   "a sharded actor keeps no snapshot of its last step")
+            raise interrupt.RunInterrupted(stop.signum, step=self.boundary_step, note=f"{stop.note} ({why})",
+                                           abandoned=True)
 
     def _stop_for_signal(self, logger: MetricsLogger, progress: Progress, *, saved: bool) -> None:
         """A SIGTERM/SIGINT arrived during this step: checkpoint it (the same checkpoint a periodic one of this step
@@ -374,14 +440,20 @@ class Trainer:
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(self.cfg.train_dataset, len(self.train_examples))
 
-    def save_checkpoint(self) -> None:
-        """An atomic checkpoint of this step; its meta.json records the config and step plan for the next run."""
+    def save_checkpoint(self, *, step: Optional[int] = None, state: Optional[dict[str, Any]] = None) -> None:
+        """An atomic checkpoint of this step (or of ``step`` from its kept ``state``: stalerl.training.last_step); its
+        meta.json records the config and step plan for the next run."""
         meta = {"config": trial_dir.config_dict(self.cfg), "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch()}
-        state = self.checkpoint_state()
-        logger = getattr(self, "metrics_logger", None)
-        state["metrics_rows"] = logger.rows_of(self.step) if logger is not None else []
-        save_checkpoint(self.run_dir, self.step, state, keep_last=self.cfg.recover.keep_last, meta_extra=meta)
+        if state is None:
+            step, state = self.step, self.checkpoint_state()
+            logger = getattr(self, "metrics_logger", None)
+            state["metrics_rows"] = logger.rows_of(self.step) if logger is not None else []
+        save_checkpoint(self.run_dir, step, state, keep_last=self.cfg.recover.keep_last, meta_extra=meta)
+        self.on_disk_step = step
+        self.last_saved_at = time.monotonic()
+        if step == self.last_step.step:
+            self.last_step.clear()
 
     def _set_aside_previous_metrics(self) -> None:
         """A fresh start in a used run directory keeps the old metrics under another name instead of mixing them."""
@@ -401,6 +473,7 @@ class Trainer:
         advantages = self.advantages(batch)
         t1 = time.perf_counter()
         opt0 = self.actor.optimizer_seconds
+        self.last_step.freeze(self.actor.state_dict)  # the weights and optimizer change from here on
         metrics = self.update_actor(batch, advantages)
         t_train = time.perf_counter() - t1
         times = StepTimes(start=t0, fetch_s=fetch_s, logp_fetch_s=logp_fetch, train_s=t_train,

