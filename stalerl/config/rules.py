@@ -125,6 +125,25 @@ def resolve_rollout_backend(cfg: ExperimentTree, log: Optional[Callable[[str], N
     return line
 
 
+def resolve_compute_dtype(cfg: ExperimentTree, log: Optional[Callable[[str], None]] = print) -> Optional[str]:
+    """``actor.dtype=auto``: set it to what this machine multiplies fastest (stalerl.core.hardware: bfloat16 with
+    native bf16 units, else float32) for the device the run will use, and ``log`` one line saying which and why.
+    Returns that line, or None (and changes nothing) for any other value. Like rollout.backend=auto, resolved once
+    at the run's start, before config.yaml is written, so every later reader sees the dtype that ran."""
+    if cfg.actor.dtype != "auto":
+        return None
+    from stalerl.core.hardware import auto_compute_dtype
+    from stalerl.core.model import resolve_device
+
+    device = resolve_device(cfg.actor.device)
+    dtype, why = auto_compute_dtype(device.type)
+    cfg.actor.dtype = dtype
+    line = f"stalerl: actor.dtype=auto -> {dtype}: {why}"
+    if log is not None:
+        log(line)
+    return line
+
+
 def has_drift(cfg: ExperimentTree) -> bool:
     """Whether a run trains on tokens from an older policy than the one being updated (a loss that declares
     ``without_drift``, FIPO, needs that): a fixed staleness, asynchronous admission of stale samples, or several

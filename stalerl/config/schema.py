@@ -276,10 +276,15 @@ class _ActorFields(_Section):
                                        "parameters, gradients and optimizer state sharded over the Y ranks "
                                        "(fsdp:d1 runs the torch engine). Y > 1 runs the asynchronous runtime. "
                                        "Tensor/pipeline parallelism (t/p) are not supported.")
-    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16", "auto"),
                     help="Compute dtype of the training forward/backward and the rollout/log-prob passes. The "
                          "trained parameters and the optimizer state are always float32 (master weights); "
-                         "bfloat16 runs the forward under torch.autocast. float16 is refused (no loss scaling).")
+                         "bfloat16 runs the forward under torch.autocast. float16 is refused (no loss scaling). "
+                         "auto = bfloat16 where the hardware multiplies bf16 natively (a CPU with AMX-BF16 or "
+                         "AVX512-BF16; a GPU with bf16 support), else float32: resolved once when the run starts, "
+                         "with one log line, and recorded in config.yaml and the summary. bf16 widens the "
+                         "engine-vs-trainer mismatch (mismatch/*); rollout_correction is the remedy "
+                         "(docs/algorithms/rollout_correction.md).")
     device: str = _f("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available, else cpu.")
     gradient_checkpointing: bool = _f(False, help="Recompute activations in the backward pass to save memory.")
     mb_spec: MicroBatchSpec = _f(factory=MicroBatchSpec, help="Micro-batching.")

@@ -163,3 +163,21 @@ def test_fipo_at_fixed_staleness_4_trains_with_active_influence_weights(tmp_path
     for r in stale:
         assert r["actor/fipo/influence_weight_clip_ratio_upper"] > 0.0, r  # some weights at 1 + eps_f
     assert max(abs(r["actor/fipo/influence_weights_mean_raw"] - 1.0) for r in stale) > 5e-3
+
+
+def test_actor_dtype_auto_runs_the_resolved_dtype_and_records_it(tmp_path):
+    """actor.dtype=auto: one start line names the choice; config.yaml and summary.json record the resolved dtype,
+    never 'auto' (issue 43 item 4)."""
+    import yaml
+
+    from stalerl.core.hardware import auto_compute_dtype
+
+    expected = auto_compute_dtype("cpu")[0]
+    overrides = small_overrides(tmp_path, **{"total_train_steps": 2, "evaluator.freq_steps": 2})
+    res = _run_script([*overrides, "actor.dtype=auto", "actor.device=cpu", "trial_name=auto-dtype"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"actor.dtype=auto -> {expected}: " in res.stdout + res.stderr
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "auto-dtype"
+    assert yaml.safe_load((run / "config.yaml").read_text())["actor"]["dtype"] == expected
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished"

@@ -22,3 +22,19 @@ def test_cpu_flags_reads_the_first_processor_and_tolerates_absence(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(str(tmp_path / "absent")) == set()
+
+
+def test_actor_dtype_auto_resolves_once_with_one_line_and_other_values_stay():
+    from stalerl.config import load_config
+    from stalerl.config.rules import resolve_compute_dtype
+
+    cfg = load_config(["actor.dtype=auto", "actor.device=cpu"])
+    lines = []
+    line = resolve_compute_dtype(cfg, log=lines.append)
+    expected = auto_compute_dtype("cpu")[0]
+    assert cfg.actor.dtype == expected and lines == [line]
+    assert line.startswith(f"stalerl: actor.dtype=auto -> {expected}: ")
+    assert resolve_compute_dtype(cfg, log=lines.append) is None and len(lines) == 1  # resolved: nothing to do
+    fixed = load_config(["actor.dtype=float32"])
+    assert resolve_compute_dtype(fixed, log=lines.append) is None and fixed.actor.dtype == "float32"
+
