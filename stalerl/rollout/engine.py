@@ -3,6 +3,12 @@
 Every engine returns, per response token, the behaviour log-prob under the distribution it actually sampled from
 (temperature applied; top-k/top-p truncation included when enabled) and the weight version that produced it.
 
+Two decode paths in :class:`HFRolloutEngine` (``decode=``): ``"static"`` (the default,
+:mod:`stalerl.rollout.static_decode`: a preallocated KV cache, a fixed amount of Python per step, one prefill per
+prompt for its n samples; finished rows compacted away on request) and ``"generate"`` (transformers' ``generate`` with
+:class:`SampledLogProbRecorder`). They give bit-identical tokens and float32 log-probs
+(tests/unit/test_static_decode.py); the second stays as the reference. Only the static path prints progress lines.
+
 Memory. Only the sampled token's log-prob is kept per step (:class:`SampledLogProbRecorder`), never the
 (rows x steps x vocab) stack of scores: with a 151,936-token vocabulary, 512 rows x 256 steps of float32 scores
 would be ~80 GB.
@@ -19,8 +25,14 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from stalerl.core.model import autocast_context
 from stalerl.rollout.batch import RolloutBatch
+from stalerl.rollout.static_decode import DecodeProgress, static_decode
 
 RewardFn = Callable[[str, str], float]
+
+# HFRolloutEngine's decode loops: the static-cache loop (default) and transformers' generate (the exactness reference).
+DECODE_PATHS = ("static", "generate")
+# A generate call that has run this long prints a progress line, then one per this many seconds (issue 43 item 7).
+PROGRESS_EVERY_S = 30.0
 
 
 class RolloutEngine(Protocol):
@@ -115,7 +127,27 @@ class HFRolloutEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
-                 *, device: Optional[torch.device] = None, version: int = 0, compute_dtype: str = "float32"):
+                 *, device: Optional[torch.device] = None, version: int = 0, compute_dtype: str = "float32",
+                 decode: str = "static", compact_finished_rows: bool = False, share_prompt_prefill: bool = True,
+                 log: Callable[[str], None] = print,
+                 progress_every_s: float = PROGRESS_EVERY_S):
+        """``decode``: ``"static"`` (:func:`~stalerl.rollout.static_decode.static_decode`: a preallocated KV cache and
+        a fixed amount of Python per step; the same tokens and log-probs) or ``"generate"`` (transformers'
+        ``generate``, the reference it is tested against). ``share_prompt_prefill``: the n samples of a prompt share
+        one prefill of it (static decode only, where a probe of this machine's matmuls finds it bit-exact).
+        ``compact_finished_rows``: finished rows leave the batch (static decode only; off by default: bit-exact on
+        one thread, not on two, where attention's result for a row that moved differs in the last bits; see
+        :mod:`stalerl.rollout.static_decode`). ``log``: where the progress line of a generation longer than
+        ``progress_every_s`` goes (the trainer's own ``log``)."""
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"decode={decode!r}: expected one of {', '.join(DECODE_PATHS)}")
+        self.decode = decode
+        self.compact_finished_rows = bool(compact_finished_rows)
+        self.share_prompt_prefill = bool(share_prompt_prefill)
+        self.log = log
+        self.progress_every_s = float(progress_every_s)
+        self.last_decode_steps = 0  # decode steps of the last generate call (its response length)
+        self.last_prefill_rows = 0  # rows the last static-path prefill ran on (fewer than the rows when shared)
         self.model = model
         # actor.dtype: generation runs under the same autocast as the actor's forward (parameters stay float32).
         self.compute_dtype = compute_dtype
@@ -157,6 +189,56 @@ class HFRolloutEngine:
         group_ids = torch.arange(len(questions)).repeat_interleave(n_samples)
         was_training = self.model.training
         self.model.eval()
+        try:
+            with autocast_context(self.device, self.compute_dtype):
+                if self.decode == "static":
+                    response_ids, behavior_logp = self._static_decode(prompt_ids, prompt_mask, max_new_tokens,
+                                                                      temperature, top_p, top_k, greedy, start)
+                else:
+                    response_ids, behavior_logp = self._hf_generate(prompt_ids, prompt_mask, max_new_tokens,
+                                                                    temperature, top_p, top_k, greedy)
+        finally:
+            if was_training:
+                self.model.train()
+        response_mask = _mask_through_first_eos(response_ids, self.stop_ids)
+        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
+        behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
+        texts = self.tokenizer.batch_decode(
+            [ids[m].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())], skip_special_tokens=True)
+        row_answers = [answers[i // n_samples] for i in range(len(texts))]
+        rewards = torch.tensor([float(self.reward_fn(t, a)) for t, a in zip(texts, row_answers)],
+                               dtype=torch.float32)
+        versions = torch.where(response_mask.cpu(), torch.full(response_mask.shape, self.version, dtype=torch.long),
+                               torch.full(response_mask.shape, -1, dtype=torch.long))
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(), response_ids=response_ids.cpu(),
+            response_mask=response_mask.cpu(), behavior_logp=behavior_logp.cpu(), versions=versions,
+            rewards=rewards, group_ids=group_ids, texts=texts, answers=row_answers,
+        )
+        self.last_generate_seconds = time.perf_counter() - start
+        return batch
+
+    def _static_decode(self, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, top_k, greedy, start):
+        rows = prompt_ids.shape[0]
+
+        def report(p: DecodeProgress) -> None:
+            elapsed = time.perf_counter() - start  # the whole call: tokenization and prefill included
+            rate = p.tokens / max(p.elapsed_s, 1e-9)
+            # At most max_steps - step more steps at the rate so far: an upper bound, rows usually end earlier.
+            eta = (p.max_steps - p.step) * p.elapsed_s / max(p.step, 1)
+            self.log(f"generation: {p.rows_done}/{rows} rows done, step {p.step}/{p.max_steps}, {p.tokens} tokens "
+                     f"at {rate:.1f} tokens/s, {elapsed:.0f} s so far, ETA <= {_format_seconds(eta)}")
+
+        result = static_decode(self.model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
+                               stop_ids=self.stop_ids, pad_id=self.pad_id, greedy=greedy, temperature=temperature,
+                               top_k=top_k, top_p=top_p, compact=self.compact_finished_rows,
+                               share_prefill=self.share_prompt_prefill, progress=report,
+                               progress_every_s=self.progress_every_s)
+        self.last_decode_steps, self.last_prefill_rows = result.steps, result.prefill_rows
+        return result.tokens, result.logp
+
+    def _hf_generate(self, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, top_k, greedy):
+        """transformers' ``generate`` with a :class:`SampledLogProbRecorder`: the path the static loop must equal."""
         # An explicit GenerationConfig: the checkpoint's own generation_config.json (repetition_penalty, top_k=50
         # defaults, ...) would otherwise reshape the sampling distribution, and the behaviour log-probs would no
         # longer be the policy's softmax at the sampling temperature.
@@ -174,33 +256,22 @@ class HFRolloutEngine:
             gen.temperature, gen.top_p, gen.top_k = 1.0, 1.0, 0
             recorder = SampledLogProbRecorder(temperature=temperature, top_k=top_k, top_p=top_p)
             processors.append(recorder)
-        with autocast_context(self.device, self.compute_dtype):
-            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen,
-                                      logits_processor=processors)
-        if was_training:
-            self.model.train()
+        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), generation_config=gen,
+                                  logits_processor=processors)
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        response_mask = _mask_through_first_eos(response_ids, self.stop_ids)
-        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_id))
+        self.last_decode_steps = response_ids.shape[1]
         if recorder is None:
-            behavior_logp = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
-        else:
-            behavior_logp = recorder.finish(out.sequences, response_ids.shape[1])
-            behavior_logp = torch.where(response_mask, behavior_logp, torch.zeros_like(behavior_logp))
-        texts = self.tokenizer.batch_decode(
-            [ids[m].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())], skip_special_tokens=True)
-        row_answers = [answers[i // n_samples] for i in range(len(texts))]
-        rewards = torch.tensor([float(self.reward_fn(t, a)) for t, a in zip(texts, row_answers)],
-                               dtype=torch.float32)
-        versions = torch.where(response_mask.cpu(), torch.full(response_mask.shape, self.version, dtype=torch.long),
-                               torch.full(response_mask.shape, -1, dtype=torch.long))
-        batch = RolloutBatch(
-            prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(), response_ids=response_ids.cpu(),
-            response_mask=response_mask.cpu(), behavior_logp=behavior_logp.cpu(), versions=versions,
-            rewards=rewards, group_ids=group_ids, texts=texts, answers=row_answers,
-        )
-        self.last_generate_seconds = time.perf_counter() - start
-        return batch
+            return response_ids, torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
+        return response_ids, recorder.finish(out.sequences, response_ids.shape[1])
+
+
+def _format_seconds(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def _mask_through_first_eos(ids: torch.Tensor, eos_id: Union[int, Sequence[int]]) -> torch.Tensor:

@@ -82,13 +82,15 @@ def test_stop_tokens_are_the_tokenizer_eos_and_every_generation_config_eos(two_e
     assert _engine(plain_model, plain_tok).stop_ids == (plain_tok.eos_token_id,)
 
 
+@pytest.mark.parametrize("decode", ["static", "generate"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_hf_engine_stops_at_the_second_end_token(two_end_token_policy, greedy):
+def test_hf_engine_stops_at_the_second_end_token(two_end_token_policy, greedy, decode):
     """Before: the HF engine stopped only at the tokenizer's eos and ran past <bos> to max_new_tokens."""
     model, tok = two_end_token_policy
     model.load_state_dict(end_token_state(model, tok.bos_token_id))
     torch.manual_seed(7)
-    out = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, greedy=greedy)
+    engine = HFRolloutEngine(model, tok, PromptFormatter(tok).format, gsm8k_reward, decode=decode)
+    out = engine.generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, greedy=greedy)
     assert out.response_ids[:, 0].tolist() == [tok.bos_token_id] * 6  # the construction works
     assert out.response_mask.sum(dim=1).tolist() == [1] * 6  # ended there, the end token kept
     assert (out.response_ids[:, 1:] == tok.pad_token_id).all()
@@ -174,7 +176,8 @@ def test_behaviour_logp_is_the_processed_distribution(tiny_policy, temperature, 
 
 
 def test_generation_keeps_no_per_step_score_stack(tiny_policy, monkeypatch):
-    """O(tokens) memory: generate is never asked for the (rows x steps x vocab) scores."""
+    """O(tokens) memory on the generate path: generate is never asked for the (rows x steps x vocab) scores (the
+    static path keeps one step's scores by construction: stalerl.rollout.static_decode)."""
     model, tok = tiny_policy
     seen = []
     original = model.generate
@@ -186,7 +189,8 @@ def test_generation_keeps_no_per_step_score_stack(tiny_policy, monkeypatch):
 
     monkeypatch.setattr(model, "generate", spy)
     torch.manual_seed(7)
-    batch = _engine(model, tok).generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, temperature=0.9)
+    engine = HFRolloutEngine(model, tok, PromptFormatter(tok).format, gsm8k_reward, decode="generate")
+    batch = engine.generate(QUESTIONS, ANSWERS, n_samples=2, max_new_tokens=6, temperature=0.9)
     assert len(seen) == 1 and not seen[0][0] and seen[0][1] is None
     assert (batch.behavior_logp[batch.response_mask] < 0).all()
 
