@@ -170,7 +170,7 @@ class Trainer:
             return build_vllm_engine(self.cfg, self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
                                      work_dir=self.run_dir / "vllm" / "sync", track_source=True)
         return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device,
-                               compute_dtype=self.cfg.actor.dtype)
+                               compute_dtype=self.cfg.actor.dtype, log=self.log)  # its progress lines: the run's log
 
     @staticmethod
     def _load_split(ds, key: str = "train_dataset") -> list:
