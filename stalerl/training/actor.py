@@ -340,16 +340,22 @@ class Actor:
             chunks = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
         per_step: list[dict[str, float]] = []
         loss_parts: list[tuple[dict[str, float], dict[str, float]]] = []
+        selection_parts: list[tuple[dict[str, float], dict[str, float]]] = []
         for chunk in chunks:
-            metrics, parts = self._update_minibatch(batch.select(chunk), advantages[chunk])
+            metrics, parts, selection = self._update_minibatch(batch.select(chunk), advantages[chunk])
             per_step.append(metrics)
             loss_parts.extend(parts)
+            if selection is not None:
+                selection_parts.append(selection)
         keys = set().union(*per_step)
         out = {k: sum(m.get(k, 0.0) for m in per_step) / len(per_step) for k in sorted(keys)}
         # The loss's own metrics: one value by its declared rules (recipe/declaration.py) over every micro-batch of
         # every mini-batch on every rank, so a SUM is the step's sum and a MAX the step's max wherever the step was
-        # cut (a plain mean of per-mini-batch or rank 0's values would not be).
-        reduced = reduce_metrics(self._gather_parts(loss_parts), self.spec.declaration.metrics)
+        # cut (a plain mean of per-mini-batch or rank 0's values would not be). The planner's selection metrics are
+        # already whole-mini-batch (all ranks): they combine by the same rules over the mini-batches only.
+        rules = self.spec.declaration.metrics
+        reduced = reduce_metrics(self._gather_parts(loss_parts), rules)
+        reduced.update(reduce_metrics(selection_parts, rules))
         out.update({f"actor/{k}": v for k, v in reduced.items()})
         return out
 
@@ -364,9 +370,11 @@ class Actor:
         return [part for rank_parts in gathered for part in rank_parts]
 
     def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor
-                          ) -> tuple[dict[str, float], list[tuple[dict[str, float], dict[str, float]]]]:
+                          ) -> tuple[dict[str, float], list[tuple[dict[str, float], dict[str, float]]],
+                                     Optional[tuple[dict[str, float], dict[str, float]]]]:
         """One optimizer step on a mini-batch: (its step metrics, the loss's per-micro-batch (counts, metrics)
-        parts, which :meth:`update` reduces over the whole step by the loss's declared rules)."""
+        parts, and the planner's selection metrics of the whole mini-batch as one (counts, metrics) part, or None),
+        which :meth:`update` reduces over the whole step by the loss's declared rules."""
         adv = adv[:, :mini.response_ids.shape[1]]
         micro = self.micro_batches(mini)
         # Rollout correction, once over the mini-batch (per token or per row: the split cannot change it). Rejected
@@ -446,7 +454,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         grad_norm = fsdp.to_float(grad_norm)  # waits for the device, so the time below is the step's
         self.optimizer_seconds += time.perf_counter() - t_opt
-        out = {f"actor/{k}": v for k, v in selection_metrics.items()}
+        out: dict[str, float] = {}
         out.update(correction_metrics)  # rollout_correction/* (none: no keys)
         out["actor/loss"] = loss_sum
         out["actor/grad_norm"] = grad_norm
@@ -459,7 +467,9 @@ class Actor:
         # The planner's selection metrics describe the whole mini-batch's decision: they replace the same keys of the
         # per-call metrics (each call saw only its micro-batch of that decision).
         parts = [(counts, {k: v for k, v in m.items() if k not in selection_metrics}) for counts, m in metric_parts]
-        return out, parts
+        selection = (({"valid_tokens": float(totals[0]), "rows": float(totals[1])}, dict(selection_metrics))
+                     if selection_metrics else None)
+        return out, parts, selection
 
     def skip_update(self) -> dict[str, float]:
         """A step whose every prompt group was left out (actor.skip_zero_advantage_groups): no forward, backward or

@@ -30,13 +30,13 @@ def smollm2(real_model_dir):
     return model, tok, PromptFormatter(tok, instruction=" Answer with just the number.").format
 
 
-def _run(smollm2, decode, compact, n_samples, **kw):
+def _run(smollm2, decode, compact, n_samples, share=None, **kw):
     from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
 
     model, tok, fmt = smollm2
     engine = HFRolloutEngine(model, tok, fmt, gsm8k_reward, decode=decode, compact_finished_rows=compact,
-                             share_prompt_prefill=compact)
+                             share_prompt_prefill=compact if share is None else share)
     torch.manual_seed(5)
     batch = engine.generate(QUESTIONS, ANSWERS, n_samples=n_samples, max_new_tokens=24, **kw)
     return batch, torch.get_rng_state(), engine.last_prefill_rows
@@ -52,13 +52,23 @@ def test_static_decode_equals_generate_on_smollm2(smollm2, kw, n_samples):
     assert reference.prompt_mask.sum(dim=1).unique().numel() > 1  # left padding of different lengths
     ended = [bool(reference.response_ids[r][int(lengths[r]) - 1] == im_end) for r in range(reference.num_rows)]
     assert any(ended)  # rows stop at <|im_end|> and keep it
-    for compact in (False, True):
-        batch, rng_after, prefill_rows = _run(smollm2, "static", compact, n_samples, **kw)
+    # the default (shared prefill where this machine's probe allows it, no compaction), then neither saving, then
+    # both: compaction is bit-exact on 1 thread only (docs: its attention rows move inside the batch), so that
+    # variant runs on 1 thread, against a reference made on 1 thread
+    for compact, share in ((False, True), (False, False), (True, True)):
+        threads = torch.get_num_threads()
+        if compact:
+            torch.set_num_threads(1)
+            reference, rng, _ = _run(smollm2, "generate", False, n_samples, share=False, **kw)
+        try:
+            batch, rng_after, prefill_rows = _run(smollm2, "static", compact, n_samples, share=share, **kw)
+        finally:
+            torch.set_num_threads(threads)
         assert torch.equal(batch.response_ids, reference.response_ids), compact
         assert torch.equal(batch.response_mask, reference.response_mask), compact
         assert torch.equal(batch.behavior_logp, reference.behavior_logp), compact
         assert batch.texts == reference.texts and torch.equal(rng_after, rng), compact
-        if compact and n_samples > 1:
+        if share and not compact and n_samples > 1:  # the probe at the thread count the run used
             from stalerl.rollout.static_decode import _prefill_keeps_its_bits, linear_shapes
 
             model = smollm2[0]

@@ -76,11 +76,12 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, engine: str, max_to
             return a
 
         actor = make_actor(model)
-        reduced = []  # sizes of the tensors all-reduced during the first update
+        reduced = []  # sizes of the float32 tensors (gradients, loss scalars) all-reduced during the first update
         plain_all_reduce = dist.all_reduce
 
         def counting_all_reduce(tensor, *a, **kw):
-            reduced.append(tensor.numel())
+            if tensor.dtype != torch.float64:  # M2PO's selection all-reduces float64 histograms: not gradients
+                reduced.append(tensor.numel())
             return plain_all_reduce(tensor, *a, **kw)
 
         dist.all_reduce = counting_all_reduce

@@ -59,4 +59,5 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"metrics": metrics, "calls": CALLS}, f)
     if world > 1:
+        dist.barrier()  # no rank closes its sockets while another still reads the last collective
         dist.destroy_process_group()
