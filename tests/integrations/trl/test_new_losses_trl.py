@@ -16,44 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from trl_cases import base_args, digit_reward, prompts_dataset, require_trl, tiny_model_and_tokenizer, weights
+from trl_cases import base_args, capturing_trainer, require_trl, tiny_model_and_tokenizer, train, weights  # noqa: F401
 
 pytestmark = pytest.mark.trl
 
 E = 1.2  # TRL's cispo cap on the ratio; the reuse pass at this learning rate moves ratios past it
 
 
-def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, **overrides: Any):
-    require_trl()
-    from recipe.trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    model, tok = tiny_model_and_tokenizer()
-    args = (config_cls or GRPOConfig)(**base_args(tmp_path, **overrides))
-    trainer = (trainer_cls or GRPOTrainer)(model=model, reward_funcs=digit_reward, args=args,
-                                           train_dataset=prompts_dataset(), processing_class=tok)
-    trainer.train()
-    return trainer
-
-
-def _capturing():
-    require_trl()
-    from recipe.trl import GRPOTrainer
-
-    class Capturing(GRPOTrainer):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, **kw)
-            self.calls: list[dict[str, Any]] = []
-
-        def _policy_loss(self, **kw: Any):
-            loss, metrics = super()._policy_loss(**kw)
-            if self.model.training:
-                self.calls.append({"window": self._stalerl_window_start, "loss": loss.detach().clone(),
-                                   "metrics": dict(metrics), **{k: v.detach().clone() for k, v in kw.items()
-                                                                if isinstance(v, torch.Tensor)}})
-            return loss, metrics
-
-    return Capturing
+_train = train
+_capturing = capturing_trainer
 
 
 def test_stalerl_cispo_trains_to_trls_own_cispo(tmp_path: Path) -> None:

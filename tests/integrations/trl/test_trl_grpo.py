@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from trl_cases import base_args, digit_reward, prompts_dataset, require_trl, tiny_model_and_tokenizer, weights
+from trl_cases import (base_args, capturing_trainer, digit_reward, prompts_dataset, require_trl,  # noqa: F401
+                       tiny_model_and_tokenizer, train, weights)
 
 pytestmark = pytest.mark.trl
 
@@ -24,41 +25,9 @@ SPLIT_TAU = 0.2
 SPLIT_ATOL = 1e-6
 
 
-def _train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, trainer_kwargs: Any = None,
-           **overrides: Any):
-    require_trl()
-    from recipe.trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    model, tok = tiny_model_and_tokenizer()
-    args = (config_cls or GRPOConfig)(**base_args(tmp_path, **overrides))
-    trainer = (trainer_cls or GRPOTrainer)(model=model, reward_funcs=digit_reward, args=args,
-                                           train_dataset=prompts_dataset(), processing_class=tok,
-                                           **(trainer_kwargs or {}))
-    trainer.train()
-    return trainer
-
-
-def _capturing_trainer():
-    """GRPOTrainer that records what every micro-batch's registry call received and returned."""
-    require_trl()
-    from recipe.trl import GRPOTrainer
-
-    class Capturing(GRPOTrainer):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, **kw)
-            self.calls: list[dict[str, Any]] = []
-
-        def _policy_loss(self, **kw: Any):
-            loss, metrics = super()._policy_loss(**kw)
-            if self.model.training:
-                self.calls.append({"window": self._stalerl_window_start, "loss": loss.detach().clone(),
-                                   "config": kw["config"], **{k: v.detach().clone() for k, v in kw.items()
-                                                              if isinstance(v, torch.Tensor)},
-                                   "extras": {k: v.clone() for k, v in kw["extras"].items()}})
-            return loss, metrics
-
-    return Capturing
+# one trainer helper and one capturing trainer for every TRL test file (trl_cases)
+_train = train
+_capturing_trainer = capturing_trainer
 
 
 def _steps(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -63,3 +63,42 @@ def base_args(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
 
 def weights(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(tmp_path: Path, trainer_cls: Any = None, config_cls: Any = None, trainer_kwargs: Any = None,
+          **overrides: Any):
+    """Train the tiny model with TRL's GRPOTrainer (or ``trainer_cls``) on ``base_args(tmp_path, **overrides)``."""
+    require_trl()
+    from recipe.trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    model, tok = tiny_model_and_tokenizer()
+    args = (config_cls or GRPOConfig)(**base_args(tmp_path, **overrides))
+    trainer = (trainer_cls or GRPOTrainer)(model=model, reward_funcs=digit_reward, args=args,
+                                           train_dataset=prompts_dataset(), processing_class=tok,
+                                           **(trainer_kwargs or {}))
+    trainer.train()
+    return trainer
+
+
+def capturing_trainer():
+    """GRPOTrainer that records what every micro-batch's registry call received and returned (its window start,
+    loss, metrics, config, tensors and extras), in ``trainer.calls``."""
+    require_trl()
+    from recipe.trl import GRPOTrainer
+
+    class Capturing(GRPOTrainer):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.calls: list[dict[str, Any]] = []
+
+        def _policy_loss(self, **kw: Any):
+            loss, metrics = super()._policy_loss(**kw)
+            if self.model.training:
+                self.calls.append({"window": self._stalerl_window_start, "loss": loss.detach().clone(),
+                                   "metrics": dict(metrics), "config": kw["config"],
+                                   **{k: v.detach().clone() for k, v in kw.items() if isinstance(v, torch.Tensor)},
+                                   "extras": {k: v.clone() for k, v in kw["extras"].items()}})
+            return loss, metrics
+
+    return Capturing
