@@ -164,7 +164,7 @@ def measure_generation(trainer, cfg, args, params: int, peak: float, bandwidth: 
     ds = cfg.valid_dataset
     examples = load_examples(ds.path, "test", synthetic_task=ds.synthetic.task, max_operand=ds.synthetic.max_operand,
                              test_size=ds.synthetic.test_size, seed=ds.synthetic.seed,
-                             question_style=ds.synthetic.question_style)
+                             question_style=ds.synthetic.question_style, holdout=ds.synthetic.holdout)
 
     def engine(decode: str, compact: bool = False) -> HFRolloutEngine:
         return HFRolloutEngine(trainer.model, trainer.tokenizer, trainer.formatter.format, gsm8k_reward,

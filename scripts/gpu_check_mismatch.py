@@ -121,7 +121,7 @@ def run_control(overrides: list[str], config: Optional[str] = None, *, seed: int
     examples = load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task,
                              max_operand=ds.synthetic.max_operand, train_size=ds.synthetic.train_size,
                              test_size=ds.synthetic.test_size, seed=ds.synthetic.seed,
-                             question_style=ds.synthetic.question_style)[:ds.batch_size]
+                             question_style=ds.synthetic.question_style, holdout=ds.synthetic.holdout)[:ds.batch_size]
     device = next(model.parameters()).device
     dtype = cfg.actor.dtype
     engine = HFRolloutEngine(model, tok, fmt.format, gsm8k_reward, device=device, compute_dtype=dtype)

@@ -213,6 +213,12 @@ class MicroBatchSpec(_Section):
                                             "rank and data-parallel ranks, so bf16 runs of torch:d1 and fsdp:d2 no "
                                             "longer agree to 1e-6 (tests/unit/test_fsdp.py). The shipped GPU "
                                             "configs set true.")
+    pack_sequences: bool = _f(False, help="Concatenate a micro-batch's rows into one row without padding "
+                                          "(position ids restart per sequence, attention stays within each), so "
+                                          "no padding FLOPs are computed. Needs a model whose attention honours "
+                                          "position-id packing (checked at start, refused otherwise). Log-probs "
+                                          "equal the padded path up to float rounding, not bit for bit, so an "
+                                          "opt-in; bench/micro_batch_padding.py measures it.")
 
 
 @dataclass
@@ -230,6 +236,11 @@ class OptimizerConfig(_Section):
                                 help="Learning-rate schedule after warm-up.")
     warmup_steps_proportion: float = _f(0.0, ge=0.0, le=1.0, help="Fraction of optimizer steps used for linear "
                                                                   "warm-up.")
+    implementation: str = _f("foreach", choices=("foreach", "fused"),
+                             help="AdamW's kernel: foreach (the default: the multi-tensor path, bit-identical to "
+                                  "the per-parameter loop) or fused (torch's fused AdamW where the device and torch "
+                                  "offer it; not bit-identical to foreach, so an opt-in; bench/adamw_variants.py "
+                                  "measures both). Ignored by sgd.")
 
 
 NORM_LEVELS = ("group", "batch")
@@ -411,6 +422,11 @@ class SyntheticDataConfig(_Section):
                              help="How an arithmetic question reads: equation = '53+5=?' (the embedded char "
                                   "model's format), what_is = 'What is 53+5?' (what an instruct model answers "
                                   "best). The same problems either way; word problems ignore it.")
+    holdout: str = _f("ordered", choices=("ordered", "unordered"),
+                      help="What 'the same problem' means when the test split is held out of training: ordered = "
+                           "a+b and b+a are different problems (the committed studies' split, where a test problem's "
+                           "reversed twin can be in the training pool); unordered = they are one problem, so no "
+                           "test problem's operands appear in training in any order (new studies).")
 
 
 @dataclass

@@ -178,7 +178,8 @@ class Trainer:
             return load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task,
                                  max_operand=ds.synthetic.max_operand, train_size=ds.synthetic.train_size,
                                  test_size=ds.synthetic.test_size, seed=ds.synthetic.seed,
-                                 question_style=ds.synthetic.question_style)
+                                 question_style=ds.synthetic.question_style,
+                                 holdout=ds.synthetic.holdout)
         except (FileNotFoundError, ValueError) as e:  # a data problem the user fixes: named by its key, one line
             raise UserError(f"{key}.path={ds.path!r} (split {ds.split!r}): {e}") from e
 
