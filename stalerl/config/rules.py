@@ -214,6 +214,8 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
         # The synchronous loop runs its one engine inside the trainer's process, on the trainer's GPU (vLLM and the
         # trainer share it: docs/gpu.md sizes vLLM's part); separate GPUs exist only for asynchronous workers.
         need = need_rollout + need_actor if is_async(cfg) else max(need_rollout, need_actor)
+        if cfg.cluster.share_gpu:  # every process on one device (stalerl.config.share_gpu refuses what cannot be)
+            need = min(need, 1)
         if need > total:
             out.append(("cluster.n_gpus_per_node",
                         f"rollout.backend={ro.backend!r} ({need_rollout} GPUs) + actor.backend={actor.backend!r} "
@@ -236,6 +238,9 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
     if rb.engine == "vllm":
         out += _vllm_problems(cfg, rb, total)
     out += _truncated_sampling_problems(cfg)
+    from stalerl.config.share_gpu import share_gpu_problems  # torch-free; it imports is_async from here lazily
+
+    out += share_gpu_problems(cfg)
     if actor.dtype == "float16":
         # fp16 gradients underflow without dynamic loss scaling, which this runtime does not implement.
         out.append(("actor.dtype", "got 'float16'; float16 training needs loss scaling, which is not implemented. "

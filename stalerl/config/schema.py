@@ -32,6 +32,36 @@ class ClusterConfig(_Section):
     n_gpus_per_node: int = _f(0, ge=0, help="GPUs per node available to this job; 0 = CPU only. vllm/sglang rollout "
                                             "backends need GPUs, and the GPUs the backends ask for must fit in "
                                             "n_nodes * n_gpus_per_node.")
+    share_gpu: bool = _f(False, help="Asynchronous runs (rollout.backend=hf:dX, actor.backend=torch:dY) on ONE "
+                                     "device: the rollout and train processes share it, each capped at its memory "
+                                     "fraction (torch.cuda.set_per_process_memory_fraction), the trainer's weights "
+                                     "reach the rollout workers by CUDA IPC (else through host shared memory), "
+                                     "and train ranks talk over gloo (NCCL refuses two ranks on one device). "
+                                     "Refused at start when the estimated memory split cannot fit, with vllm/"
+                                     "sglang, with ray/slurm, on more than one node, or without async. With "
+                                     "actor.device=cpu it runs the same plan as a dry run (docs/one-gpu-async.md).")
+    share_gpu_train_fraction: Optional[float] = _f(None, gt=0.0, lt=1.0,
+                                                   help="cluster.share_gpu: the device-memory fraction of each "
+                                                        "train process; null = derived from the memory estimate "
+                                                        "(the usable memory split in proportion to each side's "
+                                                        "need).")
+    share_gpu_rollout_fraction: Optional[float] = _f(None, gt=0.0, lt=1.0,
+                                                     help="cluster.share_gpu: the device-memory fraction of each "
+                                                          "rollout worker; null = derived (see "
+                                                          "share_gpu_train_fraction).")
+
+    def _check(self) -> List[Tuple[str, str]]:
+        if not self.share_gpu:
+            for key in ("share_gpu_train_fraction", "share_gpu_rollout_fraction"):
+                if getattr(self, key) is not None:  # a setting that would be silently ignored
+                    return [(key, f"got {getattr(self, key)} but cluster.share_gpu=false, so nothing uses it. "
+                                  f"Fix: set cluster.share_gpu=true, or cluster.{key}=null.")]
+            return []
+        if self.n_nodes > 1:
+            return [("share_gpu", f"got true with cluster.n_nodes={self.n_nodes}; share_gpu puts every process on "
+                                  "one device of one machine. Fix: set cluster.n_nodes=1, or cluster.share_gpu=false "
+                                  "(one GPU per process).")]
+        return []
 
 
 @dataclass
@@ -202,7 +232,8 @@ class TinyModelConfig(_Section):
 class MicroBatchSpec(_Section):
     """How a training batch is split into micro-batches for gradient accumulation."""
 
-    max_tokens_per_mb: int = _f(8192, ge=1, help="Maximum (padded) tokens per micro-batch.")
+    max_tokens_per_mb: int = _f(8192, ge=1, help="Maximum (padded) tokens per micro-batch (with pack_sequences: real tokens, "
+                                                  "padding not counted).")
     length_bucketing: bool = _f(False, help="When a mini-batch needs more than one micro-batch, sort its rows by "
                                             "length (response, then prompt) before packing, so rows of similar "
                                             "length share a micro-batch and less padding is computed (GSM8K-like "

@@ -96,6 +96,10 @@ def check_before_launch(cfg: Any, *, check_device: Optional[bool] = None) -> Non
         check_device = kind == "local" or (kind == "ray" and (is_async(cfg) or ray_is_this_machine(cfg)))
     if check_device:
         problems += device_problems(cfg)
+    if not problems and cfg.cluster.share_gpu:  # the memory split, before the trial directory or any process
+        from stalerl.training.share_gpu import preflight_problems
+
+        problems += preflight_problems(cfg)
     if not problems:
         fetch_known_models(cfg)
         return

@@ -120,6 +120,9 @@ class AdmissionSource(RolloutSource):
                                         rollout.max_concurrent_rollouts or b, queue_size=rollout.queue_size)
         self.cond = threading.Condition()
         self.prompts: deque = deque()  # drawn from the dataset, not yet admitted
+        # cluster.share_gpu: every process on this process's device, each capped at its fraction (refused here, one
+        # line, when the split cannot fit: before the hosting and any worker exist)
+        self.share_plan = self._share_gpu_plan() if worker_cfg.cluster.share_gpu else None
         self.hosting = make_hosting(worker_cfg.scheduler, run_dir / "logs")
         # vLLM rollout workers' weight-sync path (the one their engines choose at start), None for HF workers
         from stalerl.rollout.vllm_engine import host_copy_needed, rollout_worker_weight_sync
@@ -128,6 +131,8 @@ class AdmissionSource(RolloutSource):
         if rollout.backend.split(":", 1)[0] == "vllm":
             self.worker_sync = rollout_worker_weight_sync()
         self.host_copy = host_copy_needed(self.worker_sync and self.worker_sync[0], worker_cfg)
+        if self.share_plan is not None and self.share_plan.sync[0] == "cuda_ipc":
+            self.host_copy = False  # a device copy per version, sent as an IPC handle (publish_weights)
         if (self.host_copy and rollout.weight_sync == "shared_memory"
                 and hasattr(self.hosting, "check_shared_memory")):  # nccl alone needs no /dev/shm
             self.hosting.check_shared_memory(self.model.state_dict())  # before the warm start and the workers
@@ -160,6 +165,25 @@ class AdmissionSource(RolloutSource):
         self.nccl_senders: dict[str, Any] = {}  # rollout role -> NCCLWeightSender (vLLM workers, weight sync nccl)
         self._step: dict[str, Any] = {}  # what next_batch and after_update measured for this step's row
 
+    def _share_gpu_plan(self):
+        """cluster.share_gpu: the config rules again (a config built around the validated schema must not slip
+        through), then the plan with its fit check, logged; this process (train rank 0) takes its cap now."""
+        from stalerl.config.checks import _format_problems
+        from stalerl.config.errors import ConfigError
+        from stalerl.config.share_gpu import share_gpu_problems
+        from stalerl.training import share_gpu
+
+        problems = share_gpu_problems(self.worker_cfg)
+        if problems:
+            raise ConfigError(_format_problems(problems), [k for k, _ in problems])
+        device_type = next(self.model.parameters()).device.type
+        plan = share_gpu.make_plan(self.worker_cfg, share_gpu.ModelDims.of(self.model), self.n_train,
+                                   self.n_rollout, device_type)
+        for line in plan.lines():
+            self.log(line)
+        share_gpu.apply_memory_fraction(plan.train_fraction, device_type, self.log)
+        return plan
+
     @classmethod
     def for_trainer(cls, trainer: Any) -> "AdmissionSource":
         cfg = trainer.cfg
@@ -189,12 +213,15 @@ class AdmissionSource(RolloutSource):
                 self.train_workers.append(self.hosting.spawn(
                     f"train/{rank}", "stalerl.training.workers.train_worker", "TrainWorker",
                     dict(cfg=self.worker_cfg, rank=rank, world_size=self.n_train, init_method=init_method,
-                         total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}")))
-            group = init_group(0, self.n_train, init_method, timeout_s=300.0, store=store)
+                         total_updates=total_updates), res, gpu=gpus.get(f"train/{rank}"),
+                    env=self._share_env(f"train/{rank}")))
+            group = init_group(0, self.n_train, init_method, timeout_s=300.0, store=store,
+                               share_gpu=self.share_plan is not None)
             self.actor.dp = DataParallel(rank=0, size=self.n_train, group=group)
         for i in range(self.n_rollout):
             w = self.hosting.spawn(f"rollout/{i}", "stalerl.training.workers.rollout_worker", "RolloutWorker",
-                                   dict(cfg=self.worker_cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"))
+                                   dict(cfg=self.worker_cfg, index=i), res, gpu=gpus.get(f"rollout/{i}"),
+                                   env=self._share_env(f"rollout/{i}"))
             self.outstanding[w.role] = 0  # first: the dispatcher (already running) reads it for every listed worker
             self.rollout_workers.append(w)
         self._wait(lambda: len(self.ready) == self.n_rollout + self.n_train - 1, "workers to start")
@@ -221,10 +248,20 @@ class AdmissionSource(RolloutSource):
             sender.connect()
             self.nccl_senders[w.role] = sender
 
+    def _share_env(self, role: str) -> Optional[dict[str, str]]:
+        """cluster.share_gpu: the worker's memory cap, applied in the child before its model exists."""
+        if self.share_plan is None:
+            return None
+        from stalerl.training.share_gpu import FRACTION_ENV
+
+        return {FRACTION_ENV: f"{self.share_plan.roles()[role]!r}:{self.share_plan.device}"}
+
     def _local_gpu_plan(self, res) -> dict[str, int]:
         """Local scheduler on CUDA: rank 0 (this process) keeps GPU 0, train ranks 1..Y-1 and the X rollout workers
-        get one device each. Not enough GPUs is an error before anything starts (no silent sharing)."""
-        if self.hosting.name != "local" or not res.gpus:
+        get one device each. Not enough GPUs is an error before anything starts (no silent sharing), unless
+        cluster.share_gpu asked for it: then no process gets a device of its own (each inherits this process's
+        CUDA_VISIBLE_DEVICES and uses its first device, this process's own)."""
+        if self.hosting.name != "local" or not res.gpus or self.share_plan is not None:
             return {}
         roles = [f"train/{r}" for r in range(1, self.n_train)] + [f"rollout/{i}" for i in range(self.n_rollout)]
         have = torch.cuda.device_count()
@@ -365,7 +402,10 @@ class AdmissionSource(RolloutSource):
                 self.ready.add(role)
             elif kind == "error":
                 worker = next((w for w in self.rollout_workers + self.train_workers if w.role == role), None)
-                self._fail(WorkerFailure(role, None, out, worker.log_path if worker else None))
+                # the child sends "<ExceptionType>: <message>\n<traceback>": the type is kept for the controller
+                head = str(out).split(":", 1)[0] if ":" in str(out).split("\n", 1)[0] else ""
+                self._fail(WorkerFailure(role, None, out, worker.log_path if worker else None,
+                                         exc_type=head if head.isidentifier() else None))
             elif role.startswith("rollout/"):
                 if isinstance(out, dict) and "results" in out:
                     for task_id, state in out["results"]:
@@ -405,6 +445,10 @@ class AdmissionSource(RolloutSource):
             engine_dtype = resolve_dtype(self.rollout.vllm.dtype, self.actor_cfg.dtype, cpu_build=False)
             params = snapshot_parameters(self.model, engine_save_dtype(engine_dtype))
             self.latest_weights = (version, "receive_weights", (update_info_for(params), params, host))
+        elif self.share_plan is not None and self.share_plan.sync[0] == "cuda_ipc":
+            from stalerl.training.share_gpu import device_snapshot
+
+            self.latest_weights = (version, "load_weights", device_snapshot(self.model))
         else:
             self.latest_weights = (version, *host)
         self._delete_unneeded_weight_files()

@@ -39,10 +39,14 @@ class LocalHosting:
         """Nothing to reserve on one machine (the OS schedules the processes)."""
 
     def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources,
-              gpu: Optional[int] = None) -> WorkerProcess:
-        """``gpu``: the device index this worker owns (CUDA_VISIBLE_DEVICES), so ranks never share a GPU."""
-        env = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else None
-        return WorkerProcess(role, module, cls_name, kwargs, self.results, self.log_dir, env=env)
+              gpu: Optional[int] = None, env: Optional[dict[str, str]] = None) -> WorkerProcess:
+        """``gpu``: the device index this worker owns (CUDA_VISIBLE_DEVICES), so ranks never share a GPU (None:
+        inherit this process's devices, as cluster.share_gpu does). ``env``: more variables for the child (e.g. its
+        share_gpu memory cap), set before it initialises CUDA."""
+        child_env = dict(env or {})
+        if gpu is not None:
+            child_env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        return WorkerProcess(role, module, cls_name, kwargs, self.results, self.log_dir, env=child_env)
 
     def share(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fresh shared-memory copies per version: a worker never reads a buffer that is being overwritten."""
@@ -251,8 +255,12 @@ class RayHosting:
         self.groups[role] = pg
 
     def spawn(self, role: str, module: str, cls_name: str, kwargs: dict, resources: Resources,
-              gpu: Optional[int] = None) -> RayWorker:
-        """``gpu`` is ignored: Ray assigns each actor its GPUs (and sets CUDA_VISIBLE_DEVICES)."""
+              gpu: Optional[int] = None, env: Optional[dict[str, str]] = None) -> RayWorker:
+        """``gpu`` is ignored: Ray assigns each actor its GPUs (and sets CUDA_VISIBLE_DEVICES). ``env`` must be empty
+        (cluster.share_gpu, its only user, is refused with Ray by the config rules)."""
+        if env:
+            raise ValueError(f"RayHosting.spawn: env {sorted(env)} is not supported on Ray (cluster.share_gpu needs "
+                             "scheduler.type=local)")
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         family, _, index = role.partition("/")

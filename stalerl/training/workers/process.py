@@ -27,6 +27,9 @@ class WorkerFailure(Exception):
     exit_code: Optional[int]
     message: str
     log_path: Optional[Path] = None
+    # The worker's exception class name (e.g. "NonFiniteLogProbError"), so the controller can tell a kind of failure
+    # by type; None for a process that died without raising.
+    exc_type: Optional[str] = None
 
     def __str__(self) -> str:
         code = "still running" if self.exit_code is None else f"exit code {self.exit_code}"
@@ -82,6 +85,9 @@ def _child_main(role: str, module: str, cls_name: str, kwargs: dict, commands, r
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     try:
+        from stalerl.training.share_gpu import apply_fraction_from_env
+
+        apply_fraction_from_env()  # cluster.share_gpu: this process's cap on the shared device, before its model
         worker = getattr(importlib.import_module(module), cls_name)(**kwargs)
         results.put((role, "ready", None, None))
         while True:

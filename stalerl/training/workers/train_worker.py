@@ -34,9 +34,10 @@ def master_store(host: str, world_size: int, timeout_s: float) -> tuple[Any, str
 
 
 def init_group(rank: int, world_size: int, init_method: Optional[str], timeout_s: float,
-               store: Optional[Any] = None) -> Any:
-    # gloo for the CPU tensors (token counts, the M2PO selection's scalars), nccl for CUDA gradients.
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+               store: Optional[Any] = None, share_gpu: bool = False) -> Any:
+    # gloo for the CPU tensors (token counts, the M2PO selection's scalars), nccl for CUDA gradients; with
+    # cluster.share_gpu every rank is on one device, which NCCL refuses (duplicate GPU): gloo for all of it.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and not share_gpu else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is not None:  # rank 0 with its held store (master_store)
         # the prefix torch itself puts on a store made from an init_method, which the other ranks use
@@ -61,7 +62,7 @@ class TrainWorker:
         self.cfg = cfg
         self.rank = rank
         self.model, _ = load_policy_from_config(cfg)
-        group = init_group(rank, world_size, init_method, timeout_s)
+        group = init_group(rank, world_size, init_method, timeout_s, share_gpu=cfg.cluster.share_gpu)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature, total_updates=total_updates,
                            dp=DataParallel(rank=rank, size=world_size, group=group),
                            loss_scale_factor=cfg.gconfig.max_new_tokens, correction=correction_params(cfg))
