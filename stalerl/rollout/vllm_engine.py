@@ -289,6 +289,8 @@ class VLLMRolloutEngine:
     (rollout workers) weights arrive through :meth:`load_weights`.
     """
 
+    max_model_len: Optional[int] = None  # set in __init__; the class default serves engines built without it (tests)
+
     def __init__(self, model: torch.nn.Module, tokenizer, format_prompt: Callable[[str], str], reward_fn: RewardFn,
                  *, options: Any, work_dir: Path, seed: int, max_num_seqs: int, version: int = -1,
                  track_source: bool = False, actor_dtype: str = "float32", max_seq_len: Optional[int] = None):
@@ -302,6 +304,9 @@ class VLLMRolloutEngine:
         self.max_num_seqs = int(max_num_seqs)
         self.actor_dtype = actor_dtype  # rollout.vllm.dtype=null follows it on GPUs
         self.max_seq_len = max_seq_len  # longest prompt + completion in flight: sizes the GPU memory default
+        # the limit vLLM runs with (None: vLLM's own default, the model's length); generate() refuses a request
+        # that would not fit, since vLLM would stop its completion early at this length rather than fail
+        self.max_model_len = resolve_max_model_len(options.max_model_len, max_seq_len)
         self.source_model = model
         self.track_source = track_source
         self.pad_id = tokenizer.pad_token_id
@@ -340,9 +345,8 @@ class VLLMRolloutEngine:
             enable_prefix_caching=o.enable_prefix_caching, logprobs_mode="processed_logprobs",
             # we detokenize with our tokenizer (ids past len(tokenizer) in the rounded-up vocabulary decode to "")
         )
-        max_model_len = resolve_max_model_len(o.max_model_len, self.max_seq_len)
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
         if self.weight_sync in ("ipc", "nccl"):
             from vllm.config import WeightTransferConfig
 
@@ -482,6 +486,7 @@ class VLLMRolloutEngine:
 
         prompt_lists = [self.tokenizer(self.format_prompt(q), add_special_tokens=False)["input_ids"]
                         for q in questions]
+        self._check_fits(prompt_lists, max_new_tokens)
         if seeds is None:
             seeds = [None] * len(questions)
         params = [self.sampling_params(n=n_samples, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -492,6 +497,18 @@ class VLLMRolloutEngine:
         batch = self._to_batch(prompt_lists, outputs, answers, n_samples, greedy, version)
         self.last_generate_seconds = time.perf_counter() - start
         return batch
+
+    def _check_fits(self, prompt_lists: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """A prompt + max_new_tokens longer than max_model_len: one line naming the key, before vLLM runs (vLLM
+        rejects a prompt over the limit, and would end a completion early at the limit: a different rollout)."""
+        if self.max_model_len is None or not prompt_lists:
+            return
+        longest = max(len(p) for p in prompt_lists)
+        if longest + max_new_tokens > self.max_model_len:
+            raise UserError(f"rollout.vllm.max_model_len={self.max_model_len} (null: planned from the data) is too "
+                            f"short for a {longest}-token prompt + max_new_tokens={max_new_tokens}. Fix: set "
+                            f"rollout.vllm.max_model_len>={longest + max_new_tokens}, or cap prompts with "
+                            "train_dataset.max_length / valid_dataset.max_length")
 
     def _to_batch(self, prompt_lists, outputs, answers, n_samples: int, greedy: bool, version: int) -> RolloutBatch:
         rows_prompt, rows_resp, rows_logp = [], [], []
@@ -548,12 +565,52 @@ def default_max_num_seqs(cfg: Any) -> int:
     return max(1, int(groups) * cfg.gconfig.n_samples)
 
 
+def longest_prompt_tokens(cfg: Any, tokenizer, format_prompt: Callable[[str], str],
+                          log: Callable[[str], None] = print) -> Optional[int]:
+    """The longest formatted prompt of the run's train and valid data, in the tokens generate() sends to vLLM (the
+    formatter's text, no special tokens added), or None when the data cannot be read here (a rollout worker on a
+    node without the data: the prompt cap or the model's length then bounds the prompt). The whole splits, before
+    the trainer drops prompts over train_dataset.max_length or keeps evaluator.n_prompts: an upper bound of what any
+    request can hold (planned_seq_len takes the smaller of it and the cap)."""
+    from stalerl.data import load_examples
+
+    longest = 0
+    for key in ("train_dataset", "valid_dataset"):
+        ds = getattr(cfg, key)
+        try:
+            examples = load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task,
+                                     max_operand=ds.synthetic.max_operand, train_size=ds.synthetic.train_size,
+                                     test_size=ds.synthetic.test_size, seed=ds.synthetic.seed,
+                                     question_style=ds.synthetic.question_style, holdout=ds.synthetic.holdout)
+        except (FileNotFoundError, ValueError) as exc:
+            log(f"vLLM max_model_len: {key}.path={ds.path!r} not readable here ({exc}); the prompt cap or the "
+                "model's length bounds the prompt instead")
+            return None
+        texts = [format_prompt(q) for q in sorted({e.question for e in examples})]
+        if texts:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            longest = max(longest, max(len(x) for x in ids))
+    return longest or None
+
+
 def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt, reward_fn, *, work_dir: Path,
-                      track_source: bool) -> VLLMRolloutEngine:
-    """The engine for a run's config (the synchronous loop passes its training module with track_source=True)."""
+                      track_source: bool, longest_prompt: Optional[int] = None) -> VLLMRolloutEngine:
+    """The engine for a run's config (the synchronous loop passes its training module with track_source=True).
+
+    rollout.vllm.max_model_len=null plans the run's own length (vllm_memory.planned_seq_len): ``longest_prompt``
+    (the caller's measure of its loaded data, else measured here by :func:`longest_prompt_tokens`) + the longest
+    completion, in whole KV blocks."""
     from stalerl.rollout.vllm_memory import planned_seq_len
 
     model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 15
+    if longest_prompt is None:
+        longest_prompt = longest_prompt_tokens(cfg, tokenizer, format_prompt)
+    planned = planned_seq_len(cfg, model_len, longest_prompt)
+    if cfg.rollout.vllm.max_model_len is None:
+        new = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
+        prompt = "unknown" if longest_prompt is None else f"{longest_prompt} tokens"
+        print(f"vLLM max_model_len: {planned} planned (longest prompt {prompt} + max_new_tokens {new}, in whole "
+              f"16-token blocks, at most the model's {model_len}; rollout.vllm.max_model_len sets it)", flush=True)
     return VLLMRolloutEngine(model, tokenizer, format_prompt, reward_fn, options=cfg.rollout.vllm, work_dir=work_dir,
                              seed=cfg.seed, max_num_seqs=default_max_num_seqs(cfg), track_source=track_source,
-                             actor_dtype=cfg.actor.dtype, max_seq_len=planned_seq_len(cfg, model_len))
+                             actor_dtype=cfg.actor.dtype, max_seq_len=planned)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 GIB = 1 << 30
 KV_BLOCK_TOKENS = 16  # vLLM's default block size: a sequence holds whole blocks
@@ -75,13 +75,23 @@ def plan_gpu_memory(*, model_config: Any, n_params: int, dtype: str, max_num_seq
                           kv_tokens=kv_tokens, total_bytes=total_bytes, capped=capped)
 
 
-def planned_seq_len(cfg: Any, model_max_len: int) -> int:
-    """The longest sequence a run puts in flight: the prompt cap (the larger of train_dataset.max_length and
-    valid_dataset.max_length, the engine evaluating too; the model's length when either is null) plus the longest
-    completion (training or evaluation), never more than vLLM's max_model_len. It is also rollout.vllm.max_model_len's
-    default (vllm_engine.resolve_max_model_len)."""
+def round_up_to_block(tokens: int) -> int:
+    """``tokens`` rounded up to whole KV blocks (a sequence holds whole blocks, so a shorter limit saves nothing)."""
+    return KV_BLOCK_TOKENS * math.ceil(tokens / KV_BLOCK_TOKENS)
+
+
+def planned_seq_len(cfg: Any, model_max_len: int, longest_prompt: Optional[int] = None) -> int:
+    """The longest sequence a run puts in flight, rounded up to whole KV blocks, never more than vLLM's max_model_len.
+
+    The prompt part is the tightest bound known: the prompt cap (the larger of train_dataset.max_length and
+    valid_dataset.max_length, the engine evaluating too; none when either is null) and ``longest_prompt``, the
+    longest formatted prompt of the run's train and valid data in tokens (vllm_engine.longest_prompt_tokens), when
+    measured; the model's length when neither is known. Plus the longest completion (training or evaluation). It is
+    also rollout.vllm.max_model_len's default (vllm_engine.resolve_max_model_len): SmolLM2's ~50-token prompts + 16
+    new tokens plan 80 tokens, not the model's 8,192 (whose KV cache would not fit vLLM-CPU's default 0.25 GiB)."""
     limit = cfg.rollout.vllm.max_model_len or model_max_len
     caps = (cfg.train_dataset.max_length, cfg.valid_dataset.max_length)
-    prompt = limit if any(c is None for c in caps) else max(caps)
+    bounds = [b for b in (None if any(c is None for c in caps) else max(caps), longest_prompt) if b is not None]
+    prompt = min(bounds) if bounds else limit
     new = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)
-    return min(limit, prompt + new)
+    return min(limit, round_up_to_block(prompt + new))

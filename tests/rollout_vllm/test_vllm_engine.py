@@ -27,7 +27,9 @@ LOGP_TOL = 1e-4  # fp32 vLLM vs fp32 transformers forward: measured max |diff| ~
 def _engine_cfg(**over):
     from stalerl.config import load_config
 
-    items = [f"{k}={v}" for k, v in {"rollout.backend": "vllm:d1", "train_dataset.batch_size": 8, **over}.items()]
+    # the tests' own prompts (22 tokens) are longer than the config's data (planned max_model_len 32)
+    items = [f"{k}={v}" for k, v in {"rollout.backend": "vllm:d1", "train_dataset.batch_size": 8,
+                                      "rollout.vllm.max_model_len": 64, **over}.items()]
     return load_config(["--config", str(CPU_CONFIG), *items])
 
 

@@ -322,3 +322,4 @@ def test_a_summary_records_the_weights_digest_and_the_ppo_clip(tmp_path):
     s = build_summary(cfg, status="finished", wall_s=1.0, rows=[])
     assert s["ppo_clip"] == {"eps_clip": 0.3, "eps_clip_higher": 0.3, "c_clip": 3.0}
     assert s["model_weights"]["source"] == cfg.actor.path
+    assert s["rollout_backend"] == cfg.rollout.backend == "hf:d1"  # the engine that ran, named in the summary
