@@ -16,6 +16,10 @@
 #                mismatch (mismatch/*), the step split; beside the bf16 run the mismatch control
 #                (scripts/gpu_check_mismatch.py: one batch re-scored in float32, by one-row micro-batches and through
 #                the plain head; its per-token log-probs saved). Not run on CUDA (no GGUF): INCOMPLETE;
+#   one_gpu_async  examples/math/one_gpu_async.yaml: async d1+d1 with the rollout and train processes on one device
+#                (cluster.share_gpu), 4 steps; staleness within rollout.max_head_offpolicyness at every step, the
+#                rollout's weight version advanced, the mismatch logged and within its bound (the real model when
+#                real_model converted it, else tiny:qwen2);
 #   real_scale   examples/math/gsm8k_m2po.yaml at its shipped batch and lengths (64 x 4 x 512 tokens, bf16, 8,192-token
 #                micro-batches, no gradient checkpointing) on a from-scratch model of Qwen2.5-1.5B's shape, staleness 0;
 #   long         scripts/gpu_check_long.py: one training step at 4k and 8k tokens per row on the 1.5B shape (chunked
@@ -40,8 +44,9 @@
 # removed at the end (STALERL_CHECK_KEEP_WORK=1 keeps it).
 #
 #   bash scripts/gpu_check.sh [--budget SECONDS] [--out DIR] [--parts a,b]   # on the GPU machine (.whl/ prepared here)
-#   --parts numerics,real_model,real_scale,long,bench,m2po_selection,smoke: run only these (the environment always
-#   runs; the others are listed as "not selected"), e.g. one part again in a short slot; the verdict is then PARTIAL.
+#   --parts numerics,real_model,one_gpu_async,real_scale,long,bench,m2po_selection,smoke: run only these (the
+#   environment always runs; the others are listed as "not selected"), e.g. one part again in a short slot; the
+#   verdict is then PARTIAL.
 #   STALERL_SMOKE_DEVICE=cpu bash scripts/gpu_check.sh             # CPU dry mode: the same parts at tiny sizes
 # Exit code: 0 PASS (every part ran and passed), 1 FAIL (a part or a comparison failed, or a part was killed), 3
 # INCOMPLETE (nothing failed, but a part was cut by its slice, a required part was skipped for the budget, or
@@ -76,7 +81,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: the budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
-ORDER=(numerics real_model real_scale long bench m2po_selection smoke)  # the parts after the environment, in the order they run
+# the parts after the environment, in the order they run
+ORDER=(numerics real_model one_gpu_async real_scale long bench m2po_selection smoke)
 for p in ${SELECTED//,/ }; do  # before anything is made: a typo must not spend a GPU slot
   case " ${ORDER[*]} " in *" $p "*) ;; *) echo "gpu_check: --parts: unknown part '$p'; expected a comma-separated \
 subset of $(IFS=,; echo "${ORDER[*]}") (the environment always runs)" >&2; exit 2 ;; esac
@@ -107,13 +113,15 @@ cd "$REPO"
 
 # Part slices: minimum and cap in seconds, per device; optional parts reserve nothing for themselves.
 if [ "$DEVICE" = cpu ]; then
-  declare -A PMIN=([numerics]=15 [real_model]=40 [real_scale]=20 [long]=15 [bench]=10 [m2po_selection]=10 [smoke]=60)
-  declare -A PCAP=([numerics]=240 [real_model]=480 [real_scale]=300 [long]=120 [bench]=200 [m2po_selection]=120
-                   [smoke]=600)
+  declare -A PMIN=([numerics]=15 [real_model]=40 [one_gpu_async]=30 [real_scale]=20 [long]=15 [bench]=10
+                   [m2po_selection]=10 [smoke]=60)
+  declare -A PCAP=([numerics]=240 [real_model]=600 [one_gpu_async]=300 [real_scale]=300 [long]=120 [bench]=200
+                   [m2po_selection]=120 [smoke]=600)
 else
-  declare -A PMIN=([numerics]=20 [real_model]=45 [real_scale]=60 [long]=40 [bench]=15 [m2po_selection]=10 [smoke]=200)
-  declare -A PCAP=([numerics]=90 [real_model]=160 [real_scale]=180 [long]=120 [bench]=60 [m2po_selection]=60
-                   [smoke]=300)
+  declare -A PMIN=([numerics]=20 [real_model]=45 [one_gpu_async]=40 [real_scale]=60 [long]=40 [bench]=15
+                   [m2po_selection]=10 [smoke]=200)
+  declare -A PCAP=([numerics]=90 [real_model]=160 [one_gpu_async]=120 [real_scale]=180 [long]=120 [bench]=60
+                   [m2po_selection]=60 [smoke]=300)
 fi
 declare -A OPTIONAL=([smoke]=1)
 selected() { [ -z "$SELECTED" ] || [[ ",$SELECTED," == *",$1,"* ]]; }
@@ -131,6 +139,7 @@ reserved_after() {  # the minimum slices of the non-optional parts after $1
   echo "$sum"
 }
 SLICE=0
+MODEL_DIR=""  # the converted real model, once real_model has it
 plan() {  # plan NAME: sets SLICE (0: skipped for the budget, recorded)
   local name="$1" avail
   if ! selected "$name"; then record "$name" skipped 0 0 "$NOT_SELECTED"; SLICE=0; return; fi
@@ -169,6 +178,43 @@ smi_start() {  # nvidia-smi's memory.used, sampled every 0.5 s while a part runs
 }
 smi_stop() { [ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; SMI_PID=""; }
 tail_log() { tail -"${2:-15}" "$1" 2>/dev/null | sed 's/^/    /' >&2; }
+
+# The skeleton every part shares. run_unit runs one timed command of a part and records its row; run_part is a whole
+# part: the environment's verdict, the budget's slice (plan), then run_unit over the slice. Set PART_ENV (variables
+# for the command) and PART_REPORT (RUN_DIR NAME STEPS [ARGS...]: gpu_check_report.py on the run the command makes,
+# into parts/NAME.json; a report naming problems fails a part that otherwise passed) before a call; both are cleared.
+PART_ENV=() PART_REPORT=()
+run_unit() {  # run_unit ROW LIMIT LOG SHOW CUT_WHY -- COMMAND...: sets RC, S and WHY
+  local row="$1" limit="$2" log="$3" show="$4" cut_why="$5" start=$SECONDS prc=0 smi
+  shift 6
+  smi="$(basename "$log" .log)"
+  smi_start "$smi"
+  env "${PART_ENV[@]}" timeout -k 5 "$(atleast1 "$limit")" "$@" > "$log" 2>&1
+  RC=$?
+  smi_stop
+  [ -n "$show" ] && grep -E "$show" "$log" | head -40 | sed 's/^/  /'
+  if [ "$RC" -ne 0 ]; then echo "gpu_check: $row exit code $RC; last lines of $log:" >&2; tail_log "$log" 20; fi
+  if [ ${#PART_REPORT[@]} -gt 0 ]; then
+    "$PY" scripts/gpu_check_report.py "${PART_REPORT[0]}" --out "$OUT_DIR/parts/${PART_REPORT[1]}.json" \
+      --steps "${PART_REPORT[2]}" --exit-code "$RC" --device "$DEVICE" --log "$log" \
+      --nvidia-smi "$OUT_DIR/parts/$smi.smi.csv" "${PART_REPORT[@]:3}" | sed 's/^/  /'
+    prc=${PIPESTATUS[0]}
+  fi
+  PART_ENV=() PART_REPORT=()
+  # the verdict (gpu_check_report.py's exit_status): cut only when the slice was reached, a kill before it fails
+  classify "$RC" $((SECONDS - start)) "$limit"
+  [ "$S" = pass ] && [ "$prc" -ne 0 ] && S=fail WHY="the run's report names its problems"
+  [ "$S" = cut ] && [ -n "$cut_why" ] && WHY="${cut_why//\{limit\}/$limit}"
+  record "$row" "$S" $((SECONDS - start)) "$limit" "$WHY"
+}
+run_part() {  # run_part NAME WHAT SHOW CUT_WHY -- COMMAND...: the part NAME, its log logs/NAME.log
+  local name="$1" what="$2" show="$3" cut_why="$4"
+  shift 5
+  if [ "$ENV_OK" != 1 ]; then record "$name" skipped 0 0 "the environment failed"; SLICE=0; else plan "$name"; fi
+  if [ "$SLICE" -le 0 ]; then PART_ENV=() PART_REPORT=(); return 0; fi
+  echo "gpu_check: $what (log $OUT_DIR/logs/$name.log, limit ${SLICE}s)"
+  run_unit "$name" "$SLICE" "$OUT_DIR/logs/$name.log" "$show" "$cut_why" -- "$@"
+}
 
 # First line: whether the carried wheels are here (.whl/ is git-ignored, so a copy of the tracked files lacks it)
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -336,26 +382,9 @@ else
 fi
 
 # ------------------------------------------------------------------------------------------ numerics
-if [ "$ENV_OK" != 1 ]; then
-  record numerics skipped 0 0 "the environment failed"
-else
-  plan numerics
-  if [ "$SLICE" -gt 0 ]; then
-    echo "gpu_check: numerics (losses vs CPU float64, chunked vs plain log-probs, fsdp:d1 vs torch:d1; limit ${SLICE}s)"
-    PART_START=$SECONDS
-    smi_start numerics
-    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_numerics.py --device "$DEVICE" --out "$OUT_DIR/parts/numerics.json" \
-      > "$OUT_DIR/logs/numerics.log" 2>&1
-    RC=$?
-    smi_stop
-    grep -m1 '^gpu_check numerics' "$OUT_DIR/logs/numerics.log" 2>/dev/null
-    grep -E '^  FAIL' "$OUT_DIR/logs/numerics.log" 2>/dev/null | head -20
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: numerics exit code $RC; last lines of $OUT_DIR/logs/numerics.log:" >&2
-      tail_log "$OUT_DIR/logs/numerics.log"; fi
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    record numerics "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+run_part numerics "numerics (losses vs CPU float64, chunked vs plain log-probs, fsdp:d1 vs torch:d1)" \
+  '^(gpu_check numerics|  FAIL)' "" -- \
+  "$PY" scripts/gpu_check_numerics.py --device "$DEVICE" --out "$OUT_DIR/parts/numerics.json"
 
 # ------------------------------------------------------------------------------------------ real model
 # SmolLM2-135M-Instruct on smollm2_add_m2po_cpu.yaml's task (chat template, "What is a + b?"), at a real batch on the
@@ -439,50 +468,53 @@ else
         if [ "$V" = control ]; then  # the same batch scored as the probe does, and re-scored three ways
           LOGF="$OUT_DIR/logs/mismatch_control.log"
           echo "gpu_check: mismatch control beside the bf16 run (log $LOGF, limit ${RUN_LIMIT}s)"
-          RSTART=$SECONDS
-          timeout -k 5 "$RUN_LIMIT" "$PY" scripts/gpu_check_mismatch.py --config examples/math/smollm2_add_m2po_cpu.yaml \
+          run_unit real_model/mismatch_control "$RUN_LIMIT" "$LOGF" '^(mismatch control|  (ok|FAIL|control|WARNING))' \
+            "" -- "$PY" scripts/gpu_check_mismatch.py --config examples/math/smollm2_add_m2po_cpu.yaml \
             --out "$OUT_DIR/parts/mismatch_control.json" --tokens "$OUT_DIR/parts/mismatch_tokens_bfloat16.json" \
-            actor.path="$MODEL_DIR" actor.dtype=bfloat16 "${MODEL_OVERRIDES[@]}" > "$LOGF" 2>&1
-          RC=$?
-          grep -E '^(mismatch control|  (ok|FAIL|control|WARNING))' "$LOGF" | sed 's/^/  /'
-          if [ "$RC" -ne 0 ]; then echo "gpu_check: mismatch control exit code $RC; last lines of $LOGF:" >&2; tail_log "$LOGF"; fi
-          classify "$RC" $((SECONDS - RSTART)) "$RUN_LIMIT"
-          record "real_model/mismatch_control" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" "$WHY"
-          [ "$S" = fail ] && WORST=fail
-          [ "$S" = cut ] && [ "$WORST" = pass ] && WORST=cut
-          continue
+            actor.path="$MODEL_DIR" actor.dtype=bfloat16 "${MODEL_OVERRIDES[@]}"
+        else
+          EXTRA=(actor.dtype="$V" rollout.backend=hf:d1)  # the config's auto:d1 would take vLLM where importable
+          [ "$V" = vllm ] && EXTRA=(actor.dtype=bfloat16 rollout.backend=vllm:d1)
+          LOGF="$OUT_DIR/logs/real_model_$V.log"
+          echo "gpu_check: real model, $V engine: $MODEL_STEPS steps (log $LOGF, limit ${RUN_LIMIT}s)"
+          PART_REPORT=("$OUT_DIR/runs/smollm2-add-m2po-cpu/real-model-$V" "real_model_$V" "$MODEL_STEPS"
+                       --kind real_model --variant "$V")
+          run_unit "real_model/$V" "$RUN_LIMIT" "$LOGF" "" "its {limit}s share of the part's slice ran out" -- \
+            "$PY" examples/math/gsm8k_rl.py --config examples/math/smollm2_add_m2po_cpu.yaml \
+            trial_name="real-model-$V" actor.path="$MODEL_DIR" cluster.fileroot="$OUT_DIR/runs" \
+            total_train_steps="$MODEL_STEPS" rollout.fixed_staleness=0 evaluator.freq_steps="$MODEL_STEPS" \
+            recover.mode=disabled saver.save_final=false stats_logger.mismatch_freq_steps=1 \
+            stats_logger.mismatch_max_rows=null stats_logger.tensorboard=false stats_logger.progress_bar=false \
+            "${MODEL_OVERRIDES[@]}" "${EXTRA[@]}"
         fi
-        EXTRA=(actor.dtype="$V")
-        [ "$V" = vllm ] && EXTRA=(actor.dtype=bfloat16 rollout.backend=vllm:d1)
-        LOGF="$OUT_DIR/logs/real_model_$V.log"
-        echo "gpu_check: real model, $V engine: $MODEL_STEPS steps (log $LOGF, limit ${RUN_LIMIT}s)"
-        RSTART=$SECONDS
-        smi_start "real_model_$V"
-        timeout -k 5 "$RUN_LIMIT" "$PY" examples/math/gsm8k_rl.py --config examples/math/smollm2_add_m2po_cpu.yaml \
-          trial_name="real-model-$V" actor.path="$MODEL_DIR" cluster.fileroot="$OUT_DIR/runs" \
-          total_train_steps="$MODEL_STEPS" rollout.fixed_staleness=0 evaluator.freq_steps="$MODEL_STEPS" \
-          recover.mode=disabled saver.save_final=false stats_logger.mismatch_freq_steps=1 \
-          stats_logger.mismatch_max_rows=null stats_logger.tensorboard=false stats_logger.progress_bar=false \
-          "${MODEL_OVERRIDES[@]}" "${EXTRA[@]}" > "$LOGF" 2>&1
-        RC=$?
-        smi_stop
-        if [ "$RC" -ne 0 ]; then echo "gpu_check: real model ($V) exit code $RC; last lines of $LOGF:" >&2; tail_log "$LOGF"; fi
-        "$PY" scripts/gpu_check_report.py "$OUT_DIR/runs/smollm2-add-m2po-cpu/real-model-$V" --kind real_model \
-          --variant "$V" --steps "$MODEL_STEPS" --exit-code "$RC" --device "$DEVICE" --log "$LOGF" \
-          --nvidia-smi "$OUT_DIR/parts/real_model_$V.smi.csv" --out "$OUT_DIR/parts/real_model_$V.json" \
-          | sed 's/^/  /'
-        PRC=${PIPESTATUS[0]}
-        classify "$RC" $((SECONDS - RSTART)) "$RUN_LIMIT"
-        [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail WHY="the run's report names its problems"
-        [ "$S" = cut ] && WHY="its ${RUN_LIMIT}s share of the part's slice ran out"
-        record "real_model/$V" "$S" $((SECONDS - RSTART)) "$RUN_LIMIT" "$WHY"
         [ "$S" = fail ] && WORST=fail
         [ "$S" = cut ] && [ "$WORST" = pass ] && WORST=cut
       done
-      record real_model "$WORST" $((SECONDS - PART_START)) "$SLICE" ""
+      if [ "$WORST" = cut ]; then  # a run's share ran out (its row says so): no slice of the part's own to check
+        record real_model cut $((SECONDS - PART_START)) 0 "a run was cut by its share of the part's ${SLICE}s slice"
+      else
+        record real_model "$WORST" $((SECONDS - PART_START)) "$SLICE" ""
+      fi
     fi
   fi
 fi
+
+# ------------------------------------------------------------------------------------------ one GPU, async
+# examples/math/one_gpu_async.yaml: d1+d1 with the rollout and train processes sharing the device
+# (cluster.share_gpu), 4 steps; its report checks every step's staleness against rollout.max_head_offpolicyness,
+# that the rollout's weight version advanced (the trainer's weights reached it) and the mismatch figures. The real
+# model when real_model converted it, else the tiny one. CPU dry mode: float32, and real_model's tiny sizes (the
+# shipped 8 prompts x 8 samples take minutes a step on 2 shared cores); the plan, fit check and sync path are the same.
+ASYNC_MODEL="${MODEL_DIR:-tiny:qwen2}"
+ASYNC_OVERRIDES=()
+[ "$DEVICE" = cpu ] && ASYNC_OVERRIDES=(actor.device=cpu actor.dtype=float32 torch_threads=1 train_dataset.batch_size=2
+                                        gconfig.n_samples=4 gconfig.max_new_tokens=8 eval_gconfig.max_new_tokens=8
+                                        valid_dataset.batch_size=4 evaluator.n_prompts=4)
+PART_REPORT=("$OUT_DIR/runs/one-gpu-async/one-gpu-async" one_gpu_async 4 --kind one_gpu_async)
+run_part one_gpu_async "one GPU, async d1+d1 (cluster.share_gpu; $ASYNC_MODEL): 4 steps" "" "" -- \
+  "$PY" examples/math/gsm8k_rl.py --config examples/math/one_gpu_async.yaml trial_name=one-gpu-async \
+  actor.path="$ASYNC_MODEL" cluster.fileroot="$OUT_DIR/runs" total_train_steps=4 recover.mode=disabled \
+  saver.save_final=false stats_logger.tensorboard=false stats_logger.progress_bar=false "${ASYNC_OVERRIDES[@]}"
 
 # ------------------------------------------------------------------------------------------ real scale
 # Overrides of the shipped config, and why:
@@ -500,117 +532,38 @@ else
   ASSETS=(--size qwen2.5-1.5b --device cuda --save-dtype bfloat16)
   SIZE_OVERRIDES=()
 fi
-if [ "$ENV_OK" != 1 ]; then
-  record real_scale skipped 0 0 "the environment failed"
-else
-  plan real_scale
-  if [ "$SLICE" -gt 0 ]; then
-    PART_START=$SECONDS
-    LOG="$OUT_DIR/logs/real_scale.log"
-    echo "gpu_check: real scale: building the assets in $WORK/real, then gsm8k_m2po.yaml for $STEPS steps (log $LOG, limit ${SLICE}s)"
-    smi_start real_scale
-    env "${SIZING_ENV[@]}" timeout -k 5 "$SLICE" bash -c '"$0" scripts/smoke_assets.py "$1/real" "${@:2}"' "$PY" "$WORK" "${ASSETS[@]}" > "$LOG" 2>&1 \
-      && env "${SIZING_ENV[@]}" timeout -k 5 "$(atleast1 $(( PART_START + SLICE - SECONDS )))" "$PY" examples/math/gsm8k_rl.py \
-        --config examples/math/gsm8k_m2po.yaml trial_name=real-scale \
-        actor.path="$WORK/real/model" train_dataset.path="$WORK/real/data" valid_dataset.path="$WORK/real/data" \
-        cluster.fileroot="$OUT_DIR/runs" total_train_steps="$STEPS" rollout.fixed_staleness=0 actor.adv_norm=null \
-        actor.reward_bias=-0.5 evaluator.freq_steps=null recover.mode=disabled saver.save_final=false \
-        stats_logger.tensorboard=false stats_logger.progress_bar=false stats_logger.log_every=1 \
-        "${SIZE_OVERRIDES[@]}" >> "$LOG" 2>&1
-    RC=$?
-    smi_stop
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: real-scale exit code $RC; last lines of $LOG:" >&2; tail_log "$LOG" 20; fi
-    "$PY" scripts/gpu_check_report.py "$OUT_DIR/runs/gsm8k-m2po/real-scale" --steps "$STEPS" --exit-code "$RC" \
-      --device "$DEVICE" --nvidia-smi "$OUT_DIR/parts/real_scale.smi.csv" --log "$LOG" \
-      --out "$OUT_DIR/parts/real_scale.json" | sed 's/^/  /'
-    PRC=${PIPESTATUS[0]}
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    [ "$S" = pass ] && [ "$PRC" -ne 0 ] && S=fail WHY="the run's report names its problems"
-    [ "$S" = cut ] && WHY="its ${SLICE}s slice ran out (the report lists the steps it finished)"
-    record real_scale "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+PART_ENV=("${SIZING_ENV[@]}")
+PART_REPORT=("$OUT_DIR/runs/gsm8k-m2po/real-scale" real_scale "$STEPS")
+# the assets, then the run, under the part's one slice (n: how many of the arguments are smoke_assets.py's)
+run_part real_scale "real scale: building the assets in $WORK/real, then gsm8k_m2po.yaml for $STEPS steps" "" \
+  "its {limit}s slice ran out (the report lists the steps it finished)" -- \
+  bash -c 'n=$1; shift; "$0" scripts/smoke_assets.py "${@:1:n}" && exec "$0" examples/math/gsm8k_rl.py "${@:n+1}"' \
+  "$PY" $((1 + ${#ASSETS[@]})) "$WORK/real" "${ASSETS[@]}" \
+  --config examples/math/gsm8k_m2po.yaml trial_name=real-scale \
+  actor.path="$WORK/real/model" train_dataset.path="$WORK/real/data" valid_dataset.path="$WORK/real/data" \
+  cluster.fileroot="$OUT_DIR/runs" total_train_steps="$STEPS" rollout.fixed_staleness=0 actor.adv_norm=null \
+  actor.reward_bias=-0.5 evaluator.freq_steps=null recover.mode=disabled saver.save_final=false \
+  stats_logger.tensorboard=false stats_logger.progress_bar=false stats_logger.log_every=1 "${SIZE_OVERRIDES[@]}"
 
 # ------------------------------------------------------------------------------------------ long rows
-if [ "$ENV_OK" != 1 ]; then
-  record long skipped 0 0 "the environment failed"
-else
-  plan long
-  if [ "$SLICE" -gt 0 ]; then
-    PART_START=$SECONDS
-    echo "gpu_check: long rows (one step at 4k and 8k tokens per row, 1.5B shape; CPU: 256 and 512; limit ${SLICE}s)"
-    smi_start long
-    env "${SIZING_ENV[@]}" timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_long.py --device "$DEVICE" \
-      --out "$OUT_DIR/parts/long.json" > "$OUT_DIR/logs/long.log" 2>&1
-    RC=$?
-    smi_stop
-    grep -A3 '^gpu_check long' "$OUT_DIR/logs/long.log" | sed 's/^/  /'
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: long rows exit code $RC; last lines of $OUT_DIR/logs/long.log:" >&2
-      tail_log "$OUT_DIR/logs/long.log"; fi
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    record long "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+PART_ENV=("${SIZING_ENV[@]}")
+run_part long "long rows (one step at 4k and 8k tokens per row, 1.5B shape; CPU: 256 and 512)" \
+  '^(gpu_check long|  [0-9]+ x )' "" -- \
+  "$PY" scripts/gpu_check_long.py --device "$DEVICE" --out "$OUT_DIR/parts/long.json"
 
 # ------------------------------------------------------------------------------------------ bench
-if [ "$ENV_OK" != 1 ]; then
-  record bench skipped 0 0 "the environment failed"
-else
-  plan bench  # without the real-scale model (part skipped or cut) its vLLM parts say so; the log-prob part runs
-  if [ "$SLICE" -gt 0 ]; then
-    PART_START=$SECONDS
-    echo "gpu_check: measurements (log-prob time, vLLM with / without CUDA graphs, weight sync; limit ${SLICE}s)"
-    smi_start bench
-    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_bench.py --device "$DEVICE" --model "$WORK/real/model" \
-      --out "$OUT_DIR/parts/bench.json" > "$OUT_DIR/logs/bench.log" 2>&1
-    RC=$?
-    smi_stop
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: measurements exit code $RC; last lines of $OUT_DIR/logs/bench.log:" >&2
-      tail_log "$OUT_DIR/logs/bench.log"; fi
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    record bench "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+# without the real-scale model (part skipped or cut) its vLLM parts say so; the log-prob part runs
+run_part bench "measurements (log-prob time, vLLM with / without CUDA graphs, weight sync)" "" "" -- \
+  "$PY" scripts/gpu_check_bench.py --device "$DEVICE" --model "$WORK/real/model" --out "$OUT_DIR/parts/bench.json"
 
 # ------------------------------------------------------------------------------------------ m2po selection
-if [ "$ENV_OK" != 1 ]; then
-  record m2po_selection skipped 0 0 "the environment failed"
-else
-  plan m2po_selection
-  if [ "$SLICE" -gt 0 ]; then
-    PART_START=$SECONDS
-    echo "gpu_check: M2PO selection vs the elementwise floor (bench/m2po_selection.py; limit ${SLICE}s)"
-    timeout -k 5 "$SLICE" "$PY" scripts/gpu_check_m2po.py --device "$DEVICE" --out "$OUT_DIR/parts/m2po_selection.json" \
-      > "$OUT_DIR/logs/m2po_selection.log" 2>&1
-    RC=$?
-    grep -E '^(gpu_check m2po|  (ok|FAIL))' "$OUT_DIR/logs/m2po_selection.log" | sed 's/^/  /'
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: M2PO selection exit code $RC; last lines of $OUT_DIR/logs/m2po_selection.log:" >&2
-      tail_log "$OUT_DIR/logs/m2po_selection.log"; fi
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    record m2po_selection "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+run_part m2po_selection "M2PO selection vs the elementwise floor (bench/m2po_selection.py)" \
+  '^(gpu_check m2po|  (ok|FAIL))' "" -- \
+  "$PY" scripts/gpu_check_m2po.py --device "$DEVICE" --out "$OUT_DIR/parts/m2po_selection.json"
 
 # ------------------------------------------------------------------------------------------ smoke
-if [ "$ENV_OK" != 1 ]; then
-  record smoke skipped 0 0 "the environment failed"
-else
-  plan smoke
-  if [ "$SLICE" -gt 0 ]; then
-    PART_START=$SECONDS
-    echo "gpu_check: smoke runs (scripts/gpu_smoke.sh; log $OUT_DIR/logs/smoke.log, limit ${SLICE}s)"
-    smi_start smoke
-    STALERL_SMOKE_DIR="$WORK/smoke" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}" \
-      timeout -k 5 "$SLICE" bash scripts/gpu_smoke.sh > "$OUT_DIR/logs/smoke.log" 2>&1
-    RC=$?
-    smi_stop
-    grep -E '^smoke: (PASS|FAIL|SKIP)' "$OUT_DIR/logs/smoke.log" | sed 's/^/  /'
-    if [ "$RC" -ne 0 ]; then echo "gpu_check: smoke runs exit code $RC; last lines of $OUT_DIR/logs/smoke.log:" >&2
-      tail_log "$OUT_DIR/logs/smoke.log"; fi
-    classify "$RC" $((SECONDS - PART_START)) "$SLICE"
-    record smoke "$S" $((SECONDS - PART_START)) "$SLICE" "$WHY"
-  fi
-fi
+PART_ENV=(STALERL_SMOKE_DIR="$WORK/smoke" STALERL_SMOKE_STEPS="${STALERL_SMOKE_STEPS:-2}")
+run_part smoke "smoke runs (scripts/gpu_smoke.sh)" '^smoke: (PASS|FAIL|SKIP)' "" -- bash scripts/gpu_smoke.sh
 
 # ------------------------------------------------------------------------------------------ report
 if [ -n "$FETCH_PID" ] && kill -0 "$FETCH_PID" 2>/dev/null; then kill -- "$FETCH_PID" 2>/dev/null; fi

@@ -9,9 +9,12 @@ a reference under a tolerance stated per dtype; one JSON object with every compa
    gradient with respect to ``log_prob`` in closed form. The batch's values are chosen on a grid (log-probs on
    multiples of 2^-10, log-ratios of 2^-12) so that ``log_prob - old_log_prob`` is exact in float32: the float32
    run and the reference see the same log-ratios and the same discrete decisions (M2PO's mask, PPO's clip, FIPO's
-   drop), which are compared exactly (tolerance 0). ``bfloat16``: the same batch rounded to bf16 as the losses'
-   inputs (the reference takes the same rounded values): the losses widen their inputs before any arithmetic, so
-   the loss keeps the float32 tolerance, and the gradient, returned in bf16, one bf16 rounding more.
+   drop), which are compared exactly (tolerance 0). ``bfloat16``: log-probs computed in bf16 (a bf16
+   log-softmax of bf16-rounded logits whose exact log-softmax is a float64 batch, :func:`bf16_batch`) are fed as
+   bf16 tensors into the loss and its decisions, which are compared with the float64 reference on the *exact*
+   log-probs: the log-probs within their rounding bound, no decision within rounding reach of its threshold (so
+   the decisions must be exact), the loss within the bound those roundings allow (:func:`bf16_loss_bound`); the
+   gradient, returned in bf16, equals the float64 reference at the bf16 inputs rounded to bf16.
 2. **Chunked vs plain log-probs** (``stalerl.core.chunked_logprob``, as in tests/unit/test_chunked_logprob.py) at
    SmolLM2-135M's head shape (hidden 576, vocab 49,152; CPU dry mode: hidden 64, vocab 4,096), values and gradients
    (hidden states, weight), in float32 and under bf16 autocast, with the device's chunk and a small chunk (several
@@ -25,9 +28,16 @@ Tolerances (``u`` = float32 unit roundoff 2^-24, ``K`` = terms in a dot product,
 magnitudes, e.g. ``|h| @ |W|^T``); the numbers, with their derivation, are in :data:`TOLERANCES` and repeated in
 each entry's ``rule``:
 
-- losses, float32 and bf16 inputs: ``|loss - ref| <= 2e-5 * sum|per-token loss| / N`` (per-token exp/mul rounding
-  of a few ulp and a summation over N <= 1024 tokens: a tree sum errs by ~log2(N) u = 6e-7, a serial one by at most
-  N u = 6e-5 in the worst case, ~sqrt(N) u = 2e-6 typically);
+- losses, float32: ``|loss - ref| <= 2e-5 * sum|per-token loss| / N`` (per-token exp/mul rounding of a few ulp and
+  a summation over N <= 1024 tokens: a tree sum errs by ~log2(N) u = 6e-7, a serial one by at most N u = 6e-5 in the
+  worst case, ~sqrt(N) u = 2e-6 typically);
+- losses fed log-probs computed in bf16 (u16 = 2^-8), against the reference on the exact log-probs: each log-prob
+  within ``e_t = u16 |z_id| + e^(2m) sum_v p_v u16 |z_v| + 8 u (1 + max|z|) + u16 (|lp| + that)`` (a bf16
+  log-softmax of bf16-rounded logits z, :func:`bf16_logprobs`), so each log-ratio within ``delta_t = e(lp_t) +
+  e(old_t)``; decisions equal to the reference's on the bf16 inputs and within :func:`bf16_decision_slack` (the
+  decisions within delta of a threshold) of the exact ones; the loss within ``|ref(bf16 inputs) - ref| + 2e-5 S``
+  (the inputs' effect, in float64, and the float32 arithmetic), that effect within the a-priori
+  :func:`bf16_loss_bound`;
 - gradients w.r.t. ``log_prob``, per element, relative to ``max(|g_ref|, 1e-6 max|g_ref|)``: float32 ``1e-5``
   (-A r / N: 3-4 roundings, 2.4e-7); FIPO ``max(1e-5, 2 T u max_t sum_k gamma^(k-t) |d_k|)`` (its influence weight
   exp(future KL) carries the float32 rounding of a discounted sum over up to T tokens); bf16: ``2^-8`` more (the
@@ -70,8 +80,11 @@ U32 = 2.0 ** -24
 U_BF16 = 2.0 ** -8  # bf16's unit roundoff (8 significand bits: one rounding errs by at most 2^-8 relative)
 
 TOLERANCES = {
-    "loss": {"float32": 2e-5, "bfloat16": 2e-5,
-             "rule": "|loss - ref| <= tol * sum|per-token loss| / N (inputs are widened before any arithmetic)"},
+    "loss": {"float32": 2e-5,
+             "bfloat16": "|ref(bf16 inputs) - ref(exact)| + 2e-5 S, and |ref(bf16 inputs) - ref(exact)| <= the "
+                         "a-priori bound B of bf16_loss_bound",
+             "rule": "|loss - ref| <= tol * sum|per-token loss| / N (float32: the grid inputs are exact; bf16: "
+                     "log-probs computed in bf16, ref on the exact log-probs)"},
     "grad": {"float32": 1e-5, "bfloat16": 1e-5 + U_BF16,
              "rule": "max_i |g_i - ref_i| / max(|ref_i|, 1e-6 max|ref|) <= tol (bf16: the gradient is returned in "
                      "bf16, one rounding, at most 2^-8 relative, more)"},
@@ -164,7 +177,7 @@ def reference_m2po(lp, old, adv, mask, tau: float) -> dict[str, Any]:
                 grow.append(0.0)
         grad.append(grow)
     return {"loss": loss, "grad": grad, "scale": math.fsum(terms) / n, "decision": sel["num_masked"],
-            "decision_name": "masked tokens"}
+            "decision_name": "masked tokens", "keep": keep}
 
 
 def reference_vanilla(lp, old, adv, mask, eps: float = 0.2) -> dict[str, Any]:
@@ -224,7 +237,7 @@ def reference_fipo(lp, old, adv, mask) -> dict[str, Any]:
             grow.append(0.0 if (clip > unclipped or dual) else -ah * ratio / count)
         grad.append(grow)
     return {"loss": loss, "grad": grad, "scale": math.fsum(terms) / count, "decision": kept.count(False),
-            "decision_name": "dropped rows", "scan_scale": scan_scale}
+            "decision_name": "dropped rows", "scan_scale": scan_scale, "kept_rows": kept}
 
 
 def bf16_rounding_violations(got, ref, rel_tol: float) -> tuple[int, int]:
@@ -238,6 +251,127 @@ def bf16_rounding_violations(got, ref, rel_tol: float) -> tuple[int, int]:
     cands = [(ref * f).to(torch.bfloat16).double() for f in (1.0 - rel_tol, 1.0, 1.0 + rel_tol)]
     ok = (g == cands[0]) | (g == cands[1]) | (g == cands[2])
     return int((~ok).sum()), int((g == cands[1]).sum())
+
+
+# ------------------------------------------------------------------------------------------------ 1b. bf16 inputs
+BF16_VOCAB = 4  # the logits each bf16 log-prob is computed from (the token's and three others)
+LN_C = math.log(10.0)  # FIPO's c and safety thresholds (its defaults: config {})
+
+
+def bf16_batch():
+    """The bf16 entries' batch: 16 rows x 64 tokens (fixed_batch's lengths and advantages), float64 log-probs
+    chosen so that few decisions are within reach of bf16 rounding: old log-probs in [-1.25, -0.625] (small, so
+    one bf16 rounding errs little), log-ratios from a set at least 0.089 from 0 (M2PO's trust region), ln 1.2 and
+    ln 0.8 (PPO's clip) and ln 10 (FIPO's drop), so only M2PO's count (a running mean against tau) has slack; rows
+    3 and 5 as in fixed_batch (FIPO drops row 3, row 5 is dual-clipped)."""
+    import torch
+
+    _, _, adv, mask = fixed_batch()
+    g = torch.Generator().manual_seed(4321)
+    rows, width = mask.shape
+    old = -(0.625 + torch.randint(0, 41, (rows, width), generator=g).double() * 2 ** -6)
+    choices = torch.tensor([-0.5, -0.375, -0.125, 0.09375, 0.3125, 0.5], dtype=torch.float64)
+    d = choices[torch.randint(0, len(choices), (rows, width), generator=g)]
+    d[3, 5], d[3, 9], d[5, 2] = 2.5, 2.75, 2.625
+    old[3, 5], old[3, 9], old[5, 2] = -2.75, -3.0, -2.875
+    lp = old + d
+    nan = torch.full_like(lp, float("nan"))
+    return torch.where(mask, lp, nan), torch.where(mask, old, nan), adv, mask
+
+
+def bf16_logprobs(lp64, device: str):
+    """Log-probs computed in bf16 on the device: each token's BF16_VOCAB logits, built in float64 so that their
+    exact log-softmax is ``lp64`` (the token's logit lp, the others log((1 - e^lp) / (V - 1)), log-sum-exp 0), are
+    rounded to bf16 and go through torch.log_softmax in bf16 (a bf16 result). Returns (bf16 log-probs, float64 bound
+    on |bf16 - lp64| per token). The bound, for a bf16 log-softmax of bf16-rounded logits z (u = 2^-8, bf16's unit
+    roundoff; u32 = 2^-24): the token's logit moves by at most u |z_id|; the log-sum-exp, whose gradient is the
+    softmax, by at most e^(2m) sum_v p_v u |z_v| (m = max_v u |z_v|: the softmax at any point between z and its
+    rounding is within e^(2m) of p); the float32 log-softmax inside errs by at most 8 u32 (1 + max |z|); the result
+    is rounded once to bf16, u (|lp| + the above)."""
+    import torch
+
+    x = torch.nan_to_num(lp64, nan=-1.0)
+    other = torch.log((1 - torch.exp(x)) / (BF16_VOCAB - 1))
+    z = torch.stack([x] + [other] * (BF16_VOCAB - 1), dim=-1)  # the token is index 0
+    got = torch.log_softmax(z.to(torch.bfloat16).to(device), dim=-1)[..., 0].cpu()
+    p = torch.softmax(z, dim=-1)
+    m = (U_BF16 * z.abs()).amax(dim=-1)
+    inner = (U_BF16 * z[..., 0].abs() + torch.exp(2 * m) * (p * U_BF16 * z.abs()).sum(dim=-1)
+             + 8 * U32 * (1 + z.abs().amax(dim=-1)))
+    bound = inner + U_BF16 * (x.abs() + inner)
+    return torch.where(torch.isnan(lp64), torch.full_like(got, float("nan")), got), bound
+
+
+def _first_at_most(sq_desc, tau: float) -> int:
+    """M2PO's masked count over a trust region whose squares are ``sq_desc`` (sorted down): the fewest largest ones
+    to drop until the mean of the rest is <= tau."""
+    for j in range(len(sq_desc)):
+        if float(sq_desc[j:].mean()) <= tau:
+            return j
+    return len(sq_desc)
+
+
+def bf16_decision_slack(name: str, d64, adv, mask, delta, ref: dict[str, Any], config: dict[str, float]) -> int:
+    """How far bf16 rounding could move a decision count from the exact one, each log-ratio d_t moving by at most
+    ``delta_t``. PPO's clipped tokens: one per token within delta of ln(1 +- eps). FIPO's dropped rows: one per row
+    with a token within delta of ln 10 (its drop, dual clip and future-KL cut). M2PO's masked tokens: one per token
+    within delta of 0 (the trust region's sign), plus the spread of the count over the intervals: with the trust
+    region's squares bounded by lo = (|d| - delta)^2 and hi = (|d| + delta)^2, the count lies between its value on
+    the sorted lo and on the sorted hi (the mean of what is left is monotone in every square)."""
+    valid = mask.bool()
+    d, dl, a = d64[valid], delta[valid], adv[valid]
+    if name == "vanilla":
+        eps = config["clip_ratio"]
+        return int((((d - math.log(1 + eps)).abs() <= dl) | ((d - math.log(1 - eps)).abs() <= dl)).sum())
+    if name == "fipo":
+        near = ((d64 - LN_C).abs() <= delta) & valid
+        return int(near.any(dim=1).sum())
+    trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
+    lo = ((d.abs() - dl).clamp(min=0) ** 2)[trust].sort(descending=True).values * (1 - 2 ** -22)
+    hi = ((d.abs() + dl) ** 2)[trust].sort(descending=True).values * (1 + 2 ** -22)  # + the float32 square
+    k, tau = int(ref["decision"]), config["m2_threshold"]
+    spread = max(k - _first_at_most(lo, tau), _first_at_most(hi, tau) - k, 0)
+    return int((d.abs() <= dl).sum()) + spread
+
+
+def bf16_loss_bound(name: str, d64, adv, mask, delta, ref: dict[str, Any], config: dict[str, float],
+                    slack: int) -> float:
+    """A bound on |loss(bf16 log-probs) - loss(exact)| from the log-ratios' rounding bounds delta_t, both computed
+    exactly: every kept token's term is -A w r clipped (PPO, FIPO) with w its FIPO influence weight (in [1, 1.2]; 1
+    otherwise), whose log moves by at most D_t = delta_t (FIPO: + min(sum_k>=t gamma^(k-t) delta_k, ln 1.25), its
+    future KL, through a weight clipped to a range no wider than ln 1.25); the
+    clips are 1-Lipschitz in the ratio, so the term moves by at most |A| w_hi max(r, 1 + eps) e^D (e^D - 1); summed
+    over the N kept tokens, / N. PPO's clip is continuous (its slack costs nothing); each M2PO token whose mask
+    rounding could flip (``slack``) adds at most max_t |A_t| r_t e^delta_t / N; a FIPO drop within reach makes the
+    bound infinite (the batch keeps them out of reach)."""
+    import torch
+
+    if name == "fipo" and slack:
+        return math.inf
+    valid = mask.bool()
+    r = torch.exp(torch.nan_to_num(d64, nan=0.0).clamp(-20, 20))
+    dl = torch.where(valid, delta, torch.zeros_like(delta))
+    w_hi, keep = 1.0, valid.clone()
+    if name == "m2po":
+        keep &= torch.tensor(ref["keep"], dtype=torch.bool)
+    if name == "fipo":
+        w_hi = 1.2
+        keep &= torch.tensor(ref["kept_rows"], dtype=torch.bool).unsqueeze(1)
+        gamma = 2.0 ** (-1.0 / 32.0)
+        future = torch.zeros_like(dl)
+        acc = torch.zeros(dl.shape[0], dtype=dl.dtype)
+        for t in range(dl.shape[1] - 1, -1, -1):  # sum_k>=t gamma^(k-t) delta_k, right to left
+            acc = dl[:, t] + gamma * acc
+            future[:, t] = acc
+        # the weight is clipped to [1, 1.2] (or [0.8, 1] on a dual-clipped token): its log moves by at most ln 1.25
+        dl = dl + future.clamp(max=math.log(1.25))
+    eps = config.get("clip_ratio", 0.2)
+    terms = adv.abs() * w_hi * torch.maximum(r, torch.full_like(r, 1 + eps)) * torch.exp(dl) * torch.expm1(dl)
+    n = max(1, int(keep.sum()))
+    flips = 0.0
+    if name == "m2po" and slack:
+        flips = slack * float(torch.where(valid, adv.abs() * r * torch.exp(dl), torch.zeros_like(r)).max())
+    return (float(torch.where(keep, terms, torch.zeros_like(terms)).sum()) + flips) / n
 
 
 def _decision_from_metrics(name: str, metrics: dict[str, float], mask) -> float:
@@ -254,16 +388,19 @@ def loss_checks(device: str) -> list[dict[str, Any]]:
 
     from recipe.registry import get_policy_loss_fn
 
-    lp32, old32, adv, mask = fixed_batch()
     config = {"m2_threshold": 0.04, "clip_ratio": 0.2}
     out = []
     for dtype in ("float32", "bfloat16"):
-        tdtype = getattr(torch, dtype)
-        lp_in, old_in = lp32.to(tdtype), old32.to(tdtype)  # what the device gets; the reference takes the same values
-        lp_ref, old_ref = lp_in.double(), old_in.double()
-        refs = {"m2po": reference_m2po(lp_ref, old_ref, adv, mask, config["m2_threshold"]),
-                "vanilla": reference_vanilla(lp_ref, old_ref, adv, mask, config["clip_ratio"]),
-                "fipo": reference_fipo(lp_ref, old_ref, adv, mask)}
+        if dtype == "float32":  # the device gets the grid values themselves; the reference takes the same values
+            lp32, old32, adv, mask = fixed_batch()
+            lp_in, old_in = lp32, old32
+            exact_refs = None
+        else:  # log-probs computed in bf16 (bf16 tensors into the loss); loss and decisions against the exact ones
+            lp64, old64, adv, mask = bf16_batch()
+            (lp_in, e_lp), (old_in, e_old) = bf16_logprobs(lp64, device), bf16_logprobs(old64, device)
+            delta = e_lp + e_old  # the bound on each log-ratio's bf16 error
+            exact_refs = _references(lp64, old64, adv, mask, config)
+        refs = _references(lp_in.double(), old_in.double(), adv, mask, config)
         for name, ref in refs.items():
             fn = get_policy_loss_fn(name)
             lp_dev = lp_in.detach().clone().to(device).requires_grad_()
@@ -285,9 +422,13 @@ def loss_checks(device: str) -> list[dict[str, Any]]:
                 grad_rule += (f"; FIPO: max(1e-5, 2 T u max_t sum_k gamma^(k-t) |d_k|) = {scan:.3g} for T = "
                               f"{mask.shape[1]} (float32 rounding of the future-KL scan in exp(future KL))")
             what = f"{name} on the device vs the CPU float64 reference"
-            out.append(entry(f"loss/{name}", dtype, "loss", loss_err, TOLERANCES["loss"][dtype],
-                             TOLERANCES["loss"]["rule"], value=float(loss.detach()), reference=ref["loss"],
-                             what=what))
+            if exact_refs is None:
+                out.append(entry(f"loss/{name}", dtype, "loss", loss_err, TOLERANCES["loss"][dtype],
+                                 TOLERANCES["loss"]["rule"], value=float(loss.detach()), reference=ref["loss"],
+                                 what=what))
+            else:
+                out += _bf16_loss_entries(name, loss, metrics, lp64 - old64, adv, mask, delta, exact_refs[name],
+                                          ref, config, lp_in, e_lp, lp64)
             if dtype == "bfloat16":  # exact: the float64 reference rounded to bf16, as the device's gradient is
                 t32 = grad_tol - U_BF16  # the float32 gradient's tolerance (before its one rounding to bf16)
                 grad_err, exact = bf16_rounding_violations(lp_dev.grad.detach().cpu(), ref_grad, t32)
@@ -301,10 +442,61 @@ def loss_checks(device: str) -> list[dict[str, Any]]:
                 extra = {}
             out.append(entry(f"loss/{name}", dtype, "grad log_prob", grad_err, grad_tol, grad_rule, what=what,
                              grad_max_abs=float(ref_grad.abs().max()), **extra))
-            got = _decision_from_metrics(name, metrics, mask)
-            out.append(entry(f"loss/{name}", dtype, ref["decision_name"], abs(got - ref["decision"]), 0,
-                             TOLERANCES["decision"]["rule"], value=got, reference=ref["decision"], what=what))
+            if exact_refs is None:
+                got = _decision_from_metrics(name, metrics, mask)
+                out.append(entry(f"loss/{name}", dtype, ref["decision_name"], abs(got - ref["decision"]), 0,
+                                 TOLERANCES["decision"]["rule"], value=got, reference=ref["decision"], what=what))
     return out
+
+
+def _references(lp, old, adv, mask, config) -> dict[str, dict[str, Any]]:
+    return {"m2po": reference_m2po(lp, old, adv, mask, config["m2_threshold"]),
+            "vanilla": reference_vanilla(lp, old, adv, mask, config["clip_ratio"]),
+            "fipo": reference_fipo(lp, old, adv, mask)}
+
+
+def _bf16_loss_entries(name, loss, metrics, d64, adv, mask, delta, exact, ref_in, config, lp_in, e_lp,
+                       lp64) -> list:
+    """The bf16 entries of one loss fed log-probs computed in bf16, against the float64 reference on the exact
+    log-probs (``exact``) and on the bf16 inputs (``ref_in``):
+
+    - the log-probs within their rounding bound e_t (bf16_logprobs);
+    - the decision count equal to ``ref_in``'s (the implementation on these inputs: exact), and within
+      bf16_decision_slack of the exact one;
+    - the loss within |ref_in - exact| + 2e-5 S of the exact one (what the bf16 inputs move it, computed in float64,
+      plus the float32 arithmetic on widened inputs: a loss that rounds to bf16 inside errs by ~2^-9 S, far above);
+    - |ref_in - exact| within bf16_loss_bound (the rounding analysis' a-priori bound holds)."""
+    what = f"{name} fed log-probs computed in bf16, vs the CPU float64 reference on the exact log-probs"
+    valid = mask.bool()
+    lp_err = float(((lp_in.double() - lp64).abs() / e_lp)[valid].max())
+    slack = bf16_decision_slack(name, d64, adv, mask, delta, exact, config)
+    bound = bf16_loss_bound(name, d64, adv, mask, delta, exact, config, slack)
+    scale = max(exact["scale"], 1e-30)
+    effect = abs(ref_in["loss"] - exact["loss"])
+    got_loss = float(loss.detach().double().cpu())
+    got = _decision_from_metrics(name, metrics, mask)
+    dname = exact["decision_name"]
+    return [
+        entry(f"loss/{name}", "bfloat16", "bf16 log-probs vs exact", lp_err, 1.0,
+              "max_t |lp_bf16 - lp| / e_t <= 1, e_t = u |z_id| + e^(2m) sum_v p_v u |z_v| + 8 u32 (1 + max|z|) "
+              "+ u (|lp| + that) for a bf16 log-softmax of bf16-rounded logits (u = 2^-8)", what=what),
+        entry(f"loss/{name}", "bfloat16", dname, abs(got - ref_in["decision"]), 0,
+              TOLERANCES["decision"]["rule"] + " (the reference on the bf16 inputs: the same decisions, exact)",
+              value=got, reference=ref_in["decision"], what=what),
+        entry(f"loss/{name}", "bfloat16", f"{dname} vs exact", abs(got - exact["decision"]), slack,
+              "|count - exact count| <= what bf16 rounding could move (bf16_decision_slack: tokens within delta_t = "
+              "e(lp_t) + e(old_t) of a threshold; M2PO: the count's spread over the squares' intervals)",
+              value=got, reference=exact["decision"], what=what),
+        entry(f"loss/{name}", "bfloat16", "loss", abs(got_loss - exact["loss"]) / scale,
+              (effect + TOLERANCES["loss"]["float32"] * scale) / scale,
+              "|loss - ref| / S <= (|ref_bf16_inputs - ref| + 2e-5 S) / S: the bf16 inputs' effect in float64 plus "
+              "the float32 tolerance (S = sum|per-token loss| / N)", value=got_loss, reference=exact["loss"],
+              rounding_effect=effect, what=what),
+        entry(f"loss/{name}", "bfloat16", "rounding effect vs its a-priori bound", effect / scale, bound / scale,
+              "|ref_bf16_inputs - ref| / S <= B / S, B = (1/N) sum_kept |A_t| w_hi max(r_t, 1 + eps) e^D_t (e^D_t "
+              "- 1) (+ M2PO's flippable tokens), D_t = delta_t (FIPO: + min(sum_k>=t gamma^(k-t) delta_k, ln 1.25); "
+              "w_hi 1.2)",
+              bf16_bound=bound, what=what)]
 
 
 # ------------------------------------------------------------------------------------------------ 2. log-probs

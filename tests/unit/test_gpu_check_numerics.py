@@ -47,6 +47,19 @@ def test_losses_and_log_probs_pass_with_stated_tolerances_and_restore_torch_sett
     for loss in ("m2po", "fipo", "vanilla"):
         e = _by(result, f"loss/{loss}", "bfloat16", "grad log_prob")
         assert e["tolerance"] == 0 and e["error"] == 0 and e["exactly_rounded"] > 0 and e["max_rel_vs_float64"] > 1e-4
+    # bf16 losses fed log-probs computed in bf16: the log-probs within their rounding bound (and near it: the bound
+    # is tight), decisions as the reference's on those inputs and within their slack of the exact ones, the loss
+    # within the bf16 inputs' effect + 2e-5 S of the exact loss, that effect within its a-priori bound
+    for loss, dname in (("m2po", "masked tokens"), ("vanilla", "clipped tokens"), ("fipo", "dropped rows")):
+        lp = _by(result, f"loss/{loss}", "bfloat16", "bf16 log-probs vs exact")
+        assert 0.5 < lp["error"] <= 1
+        assert _by(result, f"loss/{loss}", "bfloat16", dname)["tolerance"] == 0
+        vs_exact = _by(result, f"loss/{loss}", "bfloat16", f"{dname} vs exact")
+        assert vs_exact["reference"] > 0 and vs_exact["tolerance"] == (18 if loss == "m2po" else 0)
+        e = _by(result, f"loss/{loss}", "bfloat16", "loss")
+        assert e["rounding_effect"] > 0 and e["error"] <= e["tolerance"] < 2e-4  # the inputs really moved the loss
+        prior = _by(result, f"loss/{loss}", "bfloat16", "rounding effect vs its a-priori bound")
+        assert prior["passed"] and 0 < prior["error"] < prior["tolerance"]
     # the bf16 chunked-vs-plain log-prob bound comes from the rounding analysis: within 100x of the observed
     # difference (the old uniform 2^-7 |logit|max / T was ~40,000x on the H200)
     for e in result["entries"]:
@@ -171,6 +184,45 @@ def test_bf16_log_probs_rounded_once_more_fail_the_bf16_bound(monkeypatch):
     for e in result["entries"]:
         if e["check"].startswith("logprob/chunked_vs_plain") and e["dtype"] == "bfloat16" and e["quantity"] == "log-probs":
             assert not e["passed"] and e["error"] > 10, e
+
+
+def test_a_bf16_loss_off_by_one_bf16_rounding_of_its_inputs_fails_the_bf16_loss_entries(monkeypatch):
+    """A loss whose bf16 path moves its log-probs by two bf16 ulps (x (1 + 2^-7), as a bf16 kernel that rounds on
+    the way would): the bf16 loss entries fail, though that is within the a-priori worst case; float32 untouched."""
+    import recipe.registry as registry
+
+    real = registry.get_policy_loss_fn
+
+    def narrow(name):
+        fn = real(name)
+
+        def wrapper(*, log_prob, **kw):
+            if log_prob.dtype == torch.bfloat16:
+                log_prob = log_prob * (1 + 2 ** -7)
+            return fn(log_prob=log_prob, **kw)
+        return wrapper
+
+    monkeypatch.setattr(registry, "get_policy_loss_fn", narrow)
+    result = num.run_all("cpu", ("losses",))
+    for loss in ("m2po", "vanilla", "fipo"):
+        e = _by(result, f"loss/{loss}", "bfloat16", "loss")
+        assert not e["passed"] and e["error"] > 2 * e["tolerance"], e
+        assert _by(result, f"loss/{loss}", "float32", "loss")["passed"]
+
+
+def test_bf16_log_probs_off_by_a_few_ulps_fail_their_rounding_bound(monkeypatch):
+    """The bf16 log-softmax's result scaled by 1 + 2^-5 (a few bf16 ulps): above e_t on most tokens."""
+    real = num.bf16_logprobs
+
+    def off(lp64, device):
+        lp, bound = real(lp64, device)
+        return (lp.double() * (1 + 2 ** -5)).to(torch.bfloat16), bound
+
+    monkeypatch.setattr(num, "bf16_logprobs", off)
+    result = num.run_all("cpu", ("losses",))
+    for loss in ("m2po", "vanilla", "fipo"):
+        e = _by(result, f"loss/{loss}", "bfloat16", "bf16 log-probs vs exact")
+        assert not e["passed"] and e["error"] > 2, e
 
 
 @pytest.mark.slow

@@ -311,6 +311,19 @@ def test_a_cut_recorded_before_its_slice_ran_out_fails_the_check(tmp_path):
     assert s["verdict"] == "FAIL" and any("killed after 20s of its 180s slice" in p for p in s["problems"])
 
 
+def test_real_model_cut_by_a_runs_share_is_incomplete_not_a_kill(tmp_path):
+    """real_model's own row when one of its runs ran out of its share (the run's row: cut at its limit): the part
+    row carries no slice of its own (limit 0), so it is INCOMPLETE, not 'killed before its slice ran out' (the
+    CPU dry mode under load 14 recorded real_model cut at 452 s of 480 with its 480 s slice, and failed)."""
+    lines = [line for line in PASSED if line[0] not in ("real_model", "real_model/float32")] + [
+        ("real_model/float32", "cut", 61, 60, "its 60s share of the part's slice ran out"),
+        ("real_model", "cut", 140, 0, "a run was cut by its share of the part's 150s slice")]
+    out = _check_dir(tmp_path, lines)
+    assert report_mod.main(["assemble", str(out), "--device", "cuda", "--budget", "420", "--elapsed", "300"]) == 3
+    s = json.loads((out / report_mod.REPORT).read_text())["summary"]
+    assert s["verdict"] == "INCOMPLETE" and s["problems"] == [] and "real_model" in s["incomplete"]
+
+
 @pytest.mark.parametrize("device, why, verdict, code", [
     ("cuda", "no SmolLM2-135M-Instruct.Q4_1.gguf in ../shared/models (carry ...)", "INCOMPLETE", 3),
     ("cpu", "no SmolLM2-135M-Instruct.Q4_1.gguf in ../shared/models (carry ...)", "PASS", 0),
