@@ -43,8 +43,6 @@ class Param:
 
     ``names``: a framework's name for the key where it differs from ``name`` (an alias lives here, at the adapter's
     edge, never in the loss). ``defaults``: a framework whose default must differ, with the reason in ``help``.
-    ``step_scope``: the parameter chooses the scope of the step's planner (M2PO's ``m2_scope``); a call inside a
-    planned step sees :attr:`planned_value`.
     """
 
     name: str
@@ -57,8 +55,6 @@ class Param:
     choices: Optional[tuple] = None
     names: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    step_scope: bool = False
-    planned_value: Any = None
 
     def name_in(self, framework: str) -> str:
         return self.names.get(framework, self.name)
@@ -215,6 +211,38 @@ PPO_CLIP = _PPOClipGroup(
 )
 
 
+@dataclass(frozen=True)
+class StepScope:
+    """The parameter of a loss whose step planner decides over a scope of ranks (M2PO's ``m2_scope``), and what its
+    values mean; a loss-level fact (``LossDeclaration.step_scope``), so the generic :class:`Param` knows nothing of it.
+
+    - ``param``: the parameter's name (one of the loss's ``params``; its ``choices`` include ``group`` and ``local``).
+    - ``group``: the value that plans one decision over all data-parallel ranks; ``local``: over each rank's share.
+    - ``planned``: the value a loss call inside a planned step sees (the plan already covered the scope, so the call
+      must not decide again over ranks); ``unplanned``: the value a loss call outside a planned step takes when its
+      config leaves the parameter unset (a loss call cannot know the data-parallel group).
+      Both are read with :meth:`LossDeclaration.read`'s ``planned``.
+    """
+
+    param: str
+    group: Any
+    local: Any
+    planned: Any
+    unplanned: Any
+
+
+@dataclass(frozen=True)
+class NamesakeFlag:
+    """A framework flag that configures the framework's *own* loss of the same name as this loss (ms-swift's
+    ``--fipo_decay_rate`` for its ``fipo``): with this loss it would be silently ignored, so the adapter refuses any
+    value but the framework's ``default`` and names the loss's ``param`` to set instead
+    (``LossDeclaration.namesake_flags``)."""
+
+    flag: str
+    default: Any
+    param: str
+
+
 # A cross-parameter rule: (the loss's parameter values, the PPO clip (eps_low, eps_high)) -> [(param, problem)].
 Rule = Callable[[Mapping[str, Any], tuple[float, float]], list[tuple[str, str]]]
 
@@ -236,6 +264,10 @@ class LossDeclaration:
       names its torch-free declaration module; the arithmetic loads when the loss is first looked up).
     - ``without_drift``: for a loss that acts only through the drift between the behaviour and the current policy
       (FIPO), what it reduces to when a run has none; the runtime then warns with this text.
+    - ``namesake_flags``: per framework that ships a loss of the same name (see ``framework_names``), the
+      :class:`NamesakeFlag` s of that framework loss, refused by the adapter at any value but their default.
+    - ``step_scope``: a :class:`StepScope` when one of ``params`` picks the ranks the step's planner decides over
+      (M2PO's ``m2_scope``); adapters plan the step themselves and hand the call :attr:`StepScope.planned`.
     - ``split_probe``: on first use of a plugin's loss (one whose step needs nothing but its token count), the
       registry checks once, on a small random batch, that its step's loss and gradient do not change when the step
       is split (``recipe.split_probe``), and logs a warning if they do; ``False`` opts out.
@@ -254,6 +286,8 @@ class LossDeclaration:
     algorithm: str = ""
     split_probe: bool = True
     without_drift: str = ""
+    step_scope: Optional[StepScope] = None
+    namesake_flags: Mapping[str, tuple[NamesakeFlag, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -270,6 +304,19 @@ class LossDeclaration:
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError(f"loss {self.name!r}: parameter names repeat: {names}")
+        if self.step_scope is not None:
+            if self.step_scope.param not in names:
+                raise ValueError(f"loss {self.name!r}: step_scope.param {self.step_scope.param!r} is not one of its "
+                                 f"parameters ({', '.join(names) or 'none'})")
+            if self.step == "nothing":
+                raise ValueError(f"loss {self.name!r}: step_scope needs a step planner; set step to batch_selector or "
+                                 "row_selector, or drop step_scope")
+        for framework, flags in self.namesake_flags.items():
+            for flag in flags:
+                if flag.param not in names:
+                    raise ValueError(f"loss {self.name!r}: namesake flag {framework} --{flag.flag} names "
+                                     f"{flag.param!r}, which is not one of its parameters "
+                                     f"({', '.join(names) or 'none'})")
         for key in self.diagnostics:
             if key not in self.metrics:
                 raise ValueError(f"loss {self.name!r}: diagnostic {key!r} is not one of its declared metrics")
@@ -290,6 +337,14 @@ class LossDeclaration:
     def name_in(self, framework: str) -> str:
         return self.framework_names.get(framework, self.name)
 
+    def scope_param(self) -> Optional[Param]:
+        """The parameter that picks the step planner's scope (:attr:`step_scope`), or None."""
+        return None if self.step_scope is None else self.param(self.step_scope.param)
+
+    def is_step_scope(self, p: Param) -> bool:
+        """Whether ``p`` is this loss's step-scope parameter (an adapter that plans the step itself handles it)."""
+        return self.step_scope is not None and p.name == self.step_scope.param
+
     def clip_params(self) -> tuple[Param, ...]:
         """The PPO-clip group's parameters this loss reads (empty when it uses no PPO clip)."""
         return tuple(p for p in PPO_CLIP.params if p.name in self.ppo_clip)
@@ -302,15 +357,29 @@ class LossDeclaration:
         return {p.name: p.default_in(framework) for p in self.params}
 
     def read(self, config: Any, *, clip: Optional[tuple[float, float]] = None, where: str = "",
-             framework: str = "stalerl") -> Any:
+             framework: str = "stalerl", planned: Optional[bool] = None) -> Any:
         """The typed parameter object from ``config`` (dict, dataclass, DictConfig, object or None): each parameter
         from ``policy_loss.<name>`` (verl), else ``<name>``, else its default; checked, and the rules run when the
         PPO ``clip`` (eps_low, eps_high) is given. ``where`` prefixes the key in messages (``actor.``);
-        ``framework`` picks the defaults (``loss_call``: a loss called outside a planned step)."""
+        ``framework`` picks the defaults.
+
+        ``planned`` is for a loss call reading its own config (:attr:`step_scope`): True inside a planned step (the
+        step-scope parameter is :attr:`StepScope.planned` whatever the config says: the plan covered the scope),
+        False outside one (unset, it is :attr:`StepScope.unplanned`); None (a config surface) reads it like any
+        other parameter."""
+        scope = self.step_scope if planned is not None else None
         values = {}
         for p in self.params:
+            if scope is not None and p.name == scope.param and planned:
+                values[p.name] = scope.planned
+                continue
             value, path = _lookup(config, (f"policy_loss.{p.name}", p.name))
-            values[p.name] = p.default_in(framework) if value is _MISSING else p.check(value, f"{where}{path}")
+            if value is not _MISSING:
+                values[p.name] = p.check(value, f"{where}{path}")
+            elif scope is not None and p.name == scope.param:
+                values[p.name] = scope.unplanned
+            else:
+                values[p.name] = p.default_in(framework)
         if clip is not None:
             self.raise_problems(values, clip, where=where)
         return self._params_cls(**values)  # type: ignore[attr-defined]
@@ -418,6 +487,6 @@ def lazy_attributes(package: str, module: str = "algorithm") -> Callable[[str], 
     return __getattr__
 
 
-__all__ = ["CALLER_WEIGHTS", "COMBINE", "LossDeclaration", "MAX", "MEAN", "Metric", "PPOClip", "PPO_CLIP", "Param",
-           "STEP_NEEDS", "SUM", "SharedParams", "TRUST_REGION_QUADRANTS", "lazy_attributes", "mean_over", "param",
-           "reduce_metrics", "rule_for"]
+__all__ = ["CALLER_WEIGHTS", "COMBINE", "LossDeclaration", "MAX", "MEAN", "Metric", "NamesakeFlag", "PPOClip",
+           "PPO_CLIP", "Param", "STEP_NEEDS", "SUM", "SharedParams", "StepScope", "TRUST_REGION_QUADRANTS",
+           "lazy_attributes", "mean_over", "param", "reduce_metrics", "rule_for"]

@@ -8,7 +8,8 @@
 #   3. from a directory outside the checkout (which therefore cannot be imported): the package data is there
 #      (recipe/verl/config/*.yaml, the ms-swift plugin file), the entry points (verl.plugins, console scripts) are
 #      registered and run, and `recipe`/`stalerl` import from site-packages;
-#   4. tests/integration/test_verl_plugin.py + test_verl_fipo.py (real verl), then `pytest -m trl` (real TRL), run
+#   4. tests/integration/test_verl_plugin.py, test_verl_fipo.py, test_add_a_loss_verl.py and test_new_losses_verl.py
+#      (real verl), then `pytest -m trl` (real TRL), run
 #      from a copy of tests/ and examples/ only; junit-gated: tests must run, none may fail or skip.
 #
 #   bash scripts/ci_wheel.sh [VENV]          # default VENV: .venv-ci-wheel
@@ -106,7 +107,7 @@ export PATH="$VENV/bin:$PATH"
 rc=0
 "$PY" -m pytest -q -ra -p no:cacheprovider tests/integration/test_installed_wheel.py \
   tests/integration/test_verl_plugin.py tests/integration/test_verl_fipo.py tests/integration/test_add_a_loss_verl.py \
-  --junitxml="$VENV/verl-tests.xml" || rc=$?
+  tests/integration/test_new_losses_verl.py --junitxml="$VENV/verl-tests.xml" || rc=$?
 [ "$rc" -ne 0 ] || "$PY" scripts/junit_check.py "$VENV/verl-tests.xml" "verl plugin (wheel)" || rc=$?
 trl_rc=0
 ci_marked_tests "TRL (wheel)" trl STALERL_REQUIRE_TRL -W ignore::FutureWarning || trl_rc=$?

@@ -49,7 +49,7 @@ from areal.utils import stats_tracker
 from areal.utils.stats_tracker import ReduceType
 
 from recipe.areal.packed import packed_policy_loss, select_mini_batch
-from recipe.areal.rules import check_areal_version, check_exact_loss_config, loss_config, plan_scope
+from recipe.areal.rules import check_areal_version, check_exact_loss_config, loss_config, plans_over_group
 from recipe.declaration import Metric, reduce_metrics, rule_for
 from recipe.registry import get_policy_loss_spec, needs_step_log_probs
 
@@ -257,7 +257,7 @@ class ExactLossPPOActor(PPOActor):
         step_scale, decided, group = 1.0, None, None
         if needs_step_log_probs(self.loss_name):
             current = self.current_logprobs(engine, mini_batch, first=first)
-            if engine.data_parallel_world_size > 1 and plan_scope(self.config, self.loss_name) != "local":
+            if engine.data_parallel_world_size > 1 and plans_over_group(self.config, self.loss_name):
                 group = engine.data_parallel_group
             decided = select_mini_batch(self.loss_name, mini_batch, current, config, group=group,
                                         device=getattr(engine, "device", None))

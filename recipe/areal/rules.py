@@ -106,8 +106,9 @@ def loss_config(actor: Any, loss: Optional[str] = None) -> dict[str, Any]:
     the AReaL keys, a step-scope parameter at its in-call value (the adapter plans the step: M2PO's selection runs
     before the micro-batches), and AReaL's PPO clip (``eps_clip``, ``eps_clip_higher``)."""
     decl = get_declaration(loss if loss is not None else actor.loss)
-    out: dict[str, Any] = {p.name: (p.planned_value if p.step_scope else v)
-                           for p, v in zip(decl.params, loss_values(decl, actor).values())}
+    out: dict[str, Any] = loss_values(decl, actor)
+    if decl.step_scope is not None:
+        out[decl.step_scope.param] = decl.step_scope.planned
     out.update(eps_clip=getattr(actor, "eps_clip", None), eps_clip_higher=getattr(actor, "eps_clip_higher", None))
     return out
 
@@ -116,10 +117,14 @@ def plan_scope(actor: Any, loss: Optional[str] = None) -> Optional[str]:
     """The value of the loss's step-scope parameter (M2PO's ``m2_scope``: ``dp_group`` plans over all
     data-parallel ranks, ``local`` over each rank's share), or None when it has none."""
     decl = get_declaration(loss if loss is not None else actor.loss)
-    for p, value in zip(decl.params, loss_values(decl, actor).values()):
-        if p.step_scope:
-            return value
-    return None
+    return None if decl.step_scope is None else loss_values(decl, actor)[decl.step_scope.param]
+
+
+def plans_over_group(actor: Any, loss: Optional[str] = None) -> bool:
+    """Whether the step's decision spans the data-parallel group: yes unless the loss's step-scope parameter is set
+    to its declared local value (``StepScope.local``: M2PO's ``m2_scope: local``)."""
+    decl = get_declaration(loss if loss is not None else actor.loss)
+    return decl.step_scope is None or plan_scope(actor, loss) != decl.step_scope.local
 
 
 def exact_loss_config_errors(actor: Any, where: str = "actor.") -> list[str]:

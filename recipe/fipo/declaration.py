@@ -4,7 +4,7 @@ The arithmetic is in recipe/fipo/algorithm.py; this is everything else about the
 
 from typing import Any, Mapping
 
-from recipe.declaration import LossDeclaration, mean_over, param, SUM
+from recipe.declaration import LossDeclaration, NamesakeFlag, mean_over, param, SUM
 
 
 def _rules(values: Mapping[str, Any], clip: tuple[float, float]) -> list[tuple[str, str]]:
@@ -44,6 +44,12 @@ DECLARATION = LossDeclaration(
     uses_ppo_clip=True,
     rules=(_rules,),
     framework_names={"swift": "fipo_ref"},  # ms-swift ships a "fipo" of its own
+    # ms-swift's flags of its own fipo (4.6 defaults): with fipo_ref a changed one would be ignored, so it is refused
+    namesake_flags={"swift": (NamesakeFlag("fipo_decay_rate", 32.0, "fipo_decay_rate"),
+                              NamesakeFlag("fipo_clip_range", 0.2, "fipo_influence_clip_ratio"),
+                              NamesakeFlag("fipo_clip_high_only", True, "fipo_influence_clip_high_only"),
+                              NamesakeFlag("fipo_safety_threshold", 4.0, "fipo_safety_threshold"),
+                              NamesakeFlag("delta", None, "fipo_clip_ratio_c"))},
     without_drift="every ratio is 1 (up to engine noise), every influence weight is 1 and FIPO is the plain clipped "
                   "PG loss",
     metrics={

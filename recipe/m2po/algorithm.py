@@ -181,7 +181,7 @@ def m2_threshold_from_config(config: Any) -> float:
 def m2_scope_from_config(config: Any) -> str:
     """The in-call selection scope; unset, ``local`` (a loss call cannot know the data-parallel group; the step
     planner's default is the declaration's ``dp_group``)."""
-    return DECLARATION.read(config, framework="loss_call").m2_scope
+    return DECLARATION.read(config, planned=False).m2_scope
 
 
 def trust_region_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The arithmetic is in recipe/m2po/algorithm.py; this is everything else about the loss (recipe/declaration.py)."""
 
-from recipe.declaration import MAX, MEAN, SUM, TRUST_REGION_QUADRANTS, LossDeclaration, param
+from recipe.declaration import MAX, MEAN, SUM, TRUST_REGION_QUADRANTS, LossDeclaration, StepScope, param
 
 QUADRANTS = TRUST_REGION_QUADRANTS
 SCOPES = ("local", "dp_group")
@@ -15,14 +15,16 @@ DECLARATION = LossDeclaration(
         param("m2_threshold", 0.04, ge=0.0,
               help="M2PO: the largest squared log-ratio tokens are masked until the mean M2 of the rest is below "
                    "this (>= 0; 0 masks every token with a nonzero log-ratio)."),
-        param("m2_scope", "dp_group", choices=SCOPES, step_scope=True, planned_value="local",
-              defaults={"verl": "local", "loss_call": "local"},
+        param("m2_scope", "dp_group", choices=SCOPES, defaults={"verl": "local"},
               help="M2PO selection scope over each optimizer mini-batch (always all of its micro-batches): "
                    "dp_group = across all data-parallel ranks, exactly Algorithm 1 on the whole mini-batch; "
                    "local = each rank's share separately. (verl's default is local: verl calls the loss per "
                    "micro-batch and its default process group need not be the data-parallel group.)"),
     ),
     step="batch_selector",
+    # A call inside a planned step selects over its own tokens only (the plan covered the scope); a call outside one
+    # cannot know the data-parallel group, so unset it selects locally too.
+    step_scope=StepScope(param="m2_scope", group="dp_group", local="local", planned="local", unplanned="local"),
     metrics={
         "m2po/m2_before": MEAN,
         "m2po/m2_after": MEAN,

@@ -9,6 +9,7 @@ DECLARATION = LossDeclaration(
             "m2po is Algorithm 1).",
     params=M2PO.params,  # the same tau and scope, one declaration
     step="batch_selector",
+    step_scope=M2PO.step_scope,  # the same scope parameter, read the same way
     metrics={
         "m2po_authors/m2_before": MEAN,
         "m2po_authors/m2_capped": MEAN,

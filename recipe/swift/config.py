@@ -66,7 +66,7 @@ def _env_keys() -> "dict[str, tuple[EnvKey, ...]]":
     for decl in _declarations().values():
         out[swift_loss_name(decl)] = tuple(
             EnvKey(env_name(p), p.name, {bool: "bool", str: "str"}.get(p.kind, "float"), p.default_in(FRAMEWORK), p,
-                   p.help) for p in decl.params if not p.step_scope)
+                   p.help) for p in decl.params if not decl.is_step_scope(p))
     return out
 
 
@@ -104,15 +104,12 @@ def __getattr__(name: str) -> Any:  # generated when asked: plugin losses regist
     raise AttributeError(f"module 'recipe.swift.config' has no attribute {name!r}")
 
 
-#: ms-swift flags that configure its *own* fipo; with ``fipo_ref`` a non-default value would be silently ignored,
-#: so it is refused (name, ms-swift default, the variable to use instead).
-SWIFT_FIPO_FLAGS = (
-    ("fipo_decay_rate", 32.0, "STALERL_FIPO_DECAY_RATE"),
-    ("fipo_clip_range", 0.2, "STALERL_FIPO_INFLUENCE_CLIP_RATIO"),
-    ("fipo_clip_high_only", True, "STALERL_FIPO_INFLUENCE_CLIP_HIGH_ONLY"),
-    ("fipo_safety_threshold", 4.0, "STALERL_FIPO_SAFETY_THRESHOLD"),
-    ("delta", None, "STALERL_FIPO_CLIP_RATIO_C"),
-)
+def namesake_flags(loss_type: str) -> "tuple[tuple[str, Any, str], ...]":
+    """(flag, ms-swift default, the variable to use instead) of each ms-swift flag that configures ms-swift's *own*
+    loss of the same name as ``loss_type``'s (``LossDeclaration.namesake_flags``: FIPO declares ms-swift's ``fipo_*``
+    flags and ``--delta``); with the registry's loss a non-default value would be silently ignored, so it is refused."""
+    decl = _declarations()[swift_loss_types()[loss_type]]
+    return tuple((f.flag, f.default, env_name(decl.param(f.param))) for f in decl.namesake_flags.get(FRAMEWORK, ()))
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -296,14 +293,13 @@ def check_swift_args(args: Any) -> None:
     if spg is not None and int(spg) % ga != 0:
         refuse("steps_per_generation", spg, f"an optimizer step ({ga} micro-batches) must lie inside one generation "
                "batch for the whole-step selection and token count", f"a multiple of --gradient_accumulation_steps {ga}")
-    if names[loss_type] == "fipo":
-        for flag, default, env in SWIFT_FIPO_FLAGS:
-            value = getattr(args, flag, default)
-            if value != default:
-                refuse(flag, value, "that flag configures ms-swift's own fipo; the reference FIPO reads its "
-                       "settings from the environment", f"unset --{flag} and export {env}")
-    else:
-        if getattr(args, "delta", None) is not None:
-            refuse("delta", args.delta, "ms-swift's two-sided clip is not part of the loss's objective", "drop --delta")
+    own = namesake_flags(loss_type)
+    for flag, default, env in own:
+        value = getattr(args, flag, default)
+        if value != default:
+            refuse(flag, value, f"that flag configures ms-swift's own {names[loss_type]}; {loss_type} reads its "
+                   "settings from the environment", f"unset --{flag} and export {env}")
+    if "delta" not in (flag for flag, _, _ in own) and getattr(args, "delta", None) is not None:
+        refuse("delta", args.delta, "ms-swift's two-sided clip is not part of the loss's objective", "drop --delta")
     loss_config(loss_type, epsilon_low=float(getattr(args, "epsilon", 0.2)),
                 epsilon_high=getattr(args, "epsilon_high", None))

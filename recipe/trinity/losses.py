@@ -211,7 +211,7 @@ class _RecipeLoss:
         """What Trinity fills in when the config gives no arguments: the declared defaults (``auto`` for a
         step-scope parameter), the PPO clip and token-mean."""
         decl = cls.declaration()
-        out: Dict[str, Any] = {p.name_in(FRAMEWORK): (AUTO if p.step_scope else p.default_in(FRAMEWORK))
+        out: Dict[str, Any] = {p.name_in(FRAMEWORK): (AUTO if decl.is_step_scope(p) else p.default_in(FRAMEWORK))
                                for p in decl.params}
         if decl.uses_ppo_clip:
             out["eps_clip"] = 0.2
@@ -230,7 +230,7 @@ class _RecipeLoss:
         given = {key: args.get(key, defaults.get(key)) for key in known}
         self._init_args = {"backend": backend, **given}
         config: Dict[str, Any] = {}
-        self.step_scope: Optional[str] = None
+        self.scope_choice: Optional[str] = None  # the step-scope parameter's value (auto or one of its choices)
         for p in decl.params:
             key = p.name_in(FRAMEWORK)
             config[p.name] = self._check_param(p, key, given[key])
@@ -252,12 +252,12 @@ class _RecipeLoss:
 
     def _check_param(self, p: Param, key: str, value: Any) -> Any:
         name = type(self).__name__
-        if p.step_scope:
+        if self.declaration().is_step_scope(p):
             if value != AUTO and (not isinstance(value, str) or value not in (p.choices or ())):
                 choices = ", ".join((AUTO, *(p.choices or ())))
                 raise ValueError(f"{name}: {ARGS_PATH}.{key} must be one of {choices}, got {value!r}; {AUTO} (the "
                                  "default) is the exact one")
-            self.step_scope = value
+            self.scope_choice = value
             return None  # the in-call value is the plan's (module doc); the scope is resolved per call
         try:  # the declaration's check of the key (one validation)
             return p.check(value, f"{ARGS_PATH}.{key}")
@@ -328,18 +328,22 @@ class _RecipeLoss:
                              "duplicates tokens across ranks), so no exact cross-rank reduction is available; set "
                              "trainer.ulysses_sequence_parallel_size: 1")
 
-    def resolved_scope(self, dp_size: int) -> str:
-        """The plan's scope for ``dp_size`` ranks (a loss with a step-scope parameter, M2PO's ``m2_scope``; others:
-        ``dp_group``): ``auto`` is ``dp_group`` with more than one rank."""
-        scope = self.step_scope if self.step_scope is not None else "dp_group"
-        if scope == AUTO:
-            return "dp_group" if dp_size > 1 else "local"
-        if scope == "local" and dp_size > 1 and not self.allow_split_mini_batch:
-            key = next(p.name_in(FRAMEWORK) for p in self.declaration().params if p.step_scope)
-            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.{key}=local selects over one rank's tokens, but "
-                             f"the optimizer mini-batch spans {dp_size} data-parallel ranks. Fix: {key}: auto (or "
-                             "dp_group); or allow_split_mini_batch: true to accept per-rank selections (logged)")
-        return scope
+    def plans_over_group(self, dp_size: int) -> bool:
+        """Whether the step's plan spans the data-parallel group for ``dp_size`` ranks: a loss without a step-scope
+        parameter always does; with one (``StepScope``, M2PO's ``m2_scope``), unless it is set to the declaration's
+        ``local`` value; ``auto`` plans over the group with more than one rank."""
+        scope = self.declaration().step_scope
+        if scope is None or self.scope_choice is None:
+            return True
+        if self.scope_choice == AUTO:
+            return dp_size > 1
+        if self.scope_choice == scope.local and dp_size > 1 and not self.allow_split_mini_batch:
+            key = self.declaration().param(scope.param).name_in(FRAMEWORK)
+            raise ValueError(f"{type(self).__name__}: {ARGS_PATH}.{key}={scope.local} selects over one rank's "
+                             f"tokens, but the optimizer mini-batch spans {dp_size} data-parallel ranks. Fix: {key}: "
+                             f"{AUTO} (or {scope.group}); or allow_split_mini_batch: true to accept per-rank "
+                             "selections (logged)")
+        return self.scope_choice != scope.local
 
     def _engine_call(self, logprob, old_logprob, valid, advantages, batch_num_tokens: int, dp_size: int):
         """verl's engine path: ``batch_num_tokens`` (all ranks) and ``dp_size`` in the data. A loss whose step needs a
@@ -356,11 +360,11 @@ class _RecipeLoss:
         what = ("the step's decision" if decl.step == "batch_selector" else "the tokens of the rows it drops") + \
             f" ({self.loss_name})"
         if decl.step == "batch_selector":
-            scope = self.resolved_scope(dp_size)
             group = None
-            if scope == "dp_group":
-                keys = [p.name_in(FRAMEWORK) for p in decl.params if p.step_scope]
-                self._check_world(dp_size, f"{keys[0]}=dp_group" if keys else f"{self.loss_name}'s step decision")
+            if self.plans_over_group(dp_size):
+                scope = decl.step_scope
+                self._check_world(dp_size, f"{decl.param(scope.param).name_in(FRAMEWORK)}={scope.group}"
+                                  if scope is not None else f"{self.loss_name}'s step decision")
                 group = _world_group()
             elif dp_size == 1 and int(counts["valid_tokens"]) != batch_num_tokens and not self.allow_split_mini_batch:
                 raise self._split_error(int(counts["valid_tokens"]), batch_num_tokens, dp_size, what)  # before work
@@ -399,7 +403,9 @@ class _RecipeLoss:
         return loss, {**metrics, **flags}
 
     def _in_call_scope(self) -> Dict[str, Any]:
-        return {p.name: "local" for p in self.declaration().params if p.step_scope}
+        """The step-scope parameter at its local value: the legacy call is the whole step on one rank."""
+        scope = self.declaration().step_scope
+        return {} if scope is None else {scope.param: scope.local}
 
     def _split_error(self, covered: int, batch_num_tokens: int, dp_size: int, what: str) -> ValueError:
         ranks = f" over all {dp_size} data-parallel ranks" if dp_size > 1 else ""

@@ -48,7 +48,7 @@ def config_params() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for decl in declarations().values():
         for p in decl.params:
-            if p.step_scope:
+            if decl.is_step_scope(p):
                 continue
             key = p.name_in(FRAMEWORK)
             seen = out.get(key)
@@ -98,7 +98,7 @@ def loss_config(args: Any) -> dict[str, Any]:
     fields) and the PPO clip from TRL's ``epsilon`` / ``epsilon_high``."""
     decl = declarations()[args.loss_type]
     low, high = _clip(args)
-    config = {p.name: getattr(args, p.name_in(FRAMEWORK)) for p in decl.params if not p.step_scope}
+    config = {p.name: getattr(args, p.name_in(FRAMEWORK)) for p in decl.params if not decl.is_step_scope(p)}
     config.update(clip_ratio_low=low, clip_ratio_high=high)
     return config
 
@@ -161,7 +161,7 @@ def validate_grpo_args(args: Any) -> None:
     decl = ours[loss]
     values = {p.name: p.check(getattr(args, p.name_in(FRAMEWORK)), f"GRPOConfig.{p.name_in(FRAMEWORK)}",
                                framework=FRAMEWORK)
-              for p in decl.params if not p.step_scope}
+              for p in decl.params if not decl.is_step_scope(p)}
     try:
         decl.raise_problems(values, _clip(args), where="GRPOConfig.")
     except ValueError as err:

@@ -6,9 +6,9 @@ the TaskRunner, every Ray worker -- registers the losses in verl's ``POLICY_LOSS
 ``vanilla``):
 
 =================== ==========================================================
-verl ``loss_mode``  function
+verl ``loss_mode``  function (``recipe.verl.losses.verl_loss(<registry name>)``)
 =================== ==========================================================
-``m2po``            ``recipe.registry.get_policy_loss_fn("m2po")`` (the registry's own object)
+``m2po``            ``recipe.registry.get_policy_loss_fn("m2po")``
 ``stalerl_vanilla`` ``get_policy_loss_fn("vanilla")``
 ``no_trust_region`` ``get_policy_loss_fn("no_trust_region")``
 ``m2po_authors``    ``get_policy_loss_fn("m2po_authors")``
@@ -18,10 +18,16 @@ verl ``loss_mode``  function
 a plugin loss       ``get_policy_loss_fn(<its name>)``
 =================== ==========================================================
 
+Each returns the registry loss's value as is and its metrics with a SUM-declared count renamed
+``<key>/mean_per_call`` and a MAX-declared maximum ``<key>/mean_of_call_max``: what verl's plain mean over the
+step's calls makes of them (:mod:`recipe.verl.metrics`).
+
 Modules (verl is imported lazily, only by these):
 
 - :mod:`recipe.verl.plugin` -- registration (the entry point) after the version check; fails loudly.
-- :mod:`recipe.verl.losses` -- FIPO's whole-step check inside verl's micro-batch loop.
+- :mod:`recipe.verl.losses` -- the function verl gets per loss; FIPO's whole-step check inside verl's micro-batch
+  loop.
+- :mod:`recipe.verl.metrics` -- the names verl logs a loss's metrics under (torch-free).
 - :mod:`recipe.verl.config` -- one ``PolicyLossConfig`` subclass per loss, generated from its declaration
   (:class:`M2POPolicyLossConfig` with ``m2_threshold`` and ``m2_scope``, :class:`FIPOPolicyLossConfig` with the
   ``fipo_*`` keys, ``policy_loss_config_class(name)`` for any other); selected with ``policy_loss._target_``;
@@ -69,7 +75,8 @@ def verl_own_loss_names() -> set[str]:
     from recipe.registry import declarations, registered_functions
 
     ours = {_qualname(fn) for fn in registered_functions().values()} | \
-        {f"recipe.verl.losses.compute_policy_loss_{name}_verl" for name in declarations()}
+        {f"recipe.verl.losses.compute_policy_loss_{name}_{what}" for name in declarations()
+         for what in ("verl", "whole_step")}
     return {name for name, fn in core_algos.POLICY_LOSS_REGISTRY.items() if _qualname(fn) not in ours}
 
 
@@ -100,21 +107,16 @@ def config_dir() -> Path:
 
 
 def loss_function(verl_name: str):
-    """The function the plugin puts in verl's registry under ``verl_name``: the registry's own object, except for a
-    loss whose declaration decides per row (``step="row_selector"``, FIPO), which gets the whole-step check
-    (recipe/verl/losses.py)."""
+    """The function the plugin puts in verl's registry under ``verl_name`` (one object per loss,
+    :func:`recipe.verl.losses.verl_loss`): the registry's loss, its SUM/MAX metrics under names that say what verl's
+    mean makes of them (:mod:`recipe.verl.metrics`), behind the whole-step check for a loss whose declaration decides
+    per row (``step="row_selector"``, FIPO)."""
     names = verl_loss_names()
     if verl_name not in names:
         raise KeyError(f"{verl_name!r} is no stalerl loss's verl name; they are: {', '.join(names)}")
-    from recipe.registry import get_declaration
+    from recipe.verl.losses import verl_loss
 
-    if get_declaration(names[verl_name]).step == "row_selector":  # its declaration says: a per-row drop
-        from recipe.verl.losses import whole_step_loss
-
-        return whole_step_loss(names[verl_name])
-    from recipe.registry import get_policy_loss_fn
-
-    return get_policy_loss_fn(names[verl_name])
+    return verl_loss(names[verl_name])
 
 
 def register() -> dict[str, object]:

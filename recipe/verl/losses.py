@@ -29,7 +29,8 @@ import torch
 
 from recipe.common import cfg_lookup, global_batch_info
 from recipe.declaration import param
-from recipe.registry import get_policy_loss_spec
+from recipe.registry import get_declaration, get_policy_loss_fn, get_policy_loss_spec
+from recipe.verl.metrics import verl_metrics
 
 KEY_PREFIX = "actor_rollout_ref.actor"
 
@@ -104,16 +105,46 @@ def whole_step_loss(loss: str) -> Any:
         value, metrics = spec.fn(*args, row_keep_mask=keep)
         return value, {**metrics, metric: 1.0}
 
-    compute.__name__ = compute.__qualname__ = f"compute_policy_loss_{loss}_verl"
-    compute.__doc__ = (f"``{loss}`` in verl's registry: the registry's loss on a step that is one call, else refused "
-                       "(module doc).")
+    compute.__name__ = compute.__qualname__ = f"compute_policy_loss_{loss}_whole_step"
+    compute.__doc__ = (f"``{loss}`` behind verl's whole-step check: the registry's loss on a step that is one call, "
+                       "else refused (module doc).")
     _WRAPPERS[loss] = compute
     return compute
 
 
-#: FIPO's, by the name the tests and docs use.
-compute_policy_loss_fipo_verl = whole_step_loss("fipo")
+_VERL_FUNCTIONS: dict[str, Any] = {}
+
+
+def verl_loss(loss: str) -> Any:
+    """The function verl's registry holds for registry loss ``loss``: the registry's loss (behind the whole-step
+    check for a loss whose step decides per row, :func:`whole_step_loss`), its metrics under the names that say what
+    verl's plain mean makes of a declared SUM or MAX rule (:mod:`recipe.verl.metrics`). Made once per loss."""
+    fn = _VERL_FUNCTIONS.get(loss)
+    if fn is not None:
+        return fn
+    declaration = get_declaration(loss)
+
+    def compute(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        decl = get_declaration(loss)  # looked up per call: the registry's current loss, as verl's own lookup would
+        inner = whole_step_loss(loss) if needs_whole_step(decl) else get_policy_loss_fn(loss)
+        value, metrics = inner(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                               response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
+                               rollout_is_weights=rollout_is_weights)
+        return value, verl_metrics(metrics, decl.metrics)
+
+    compute.__name__ = compute.__qualname__ = f"compute_policy_loss_{loss}_verl"
+    compute.__doc__ = (f"``{loss}`` in verl's registry: ``recipe.registry``'s loss, its SUM/MAX metrics renamed for "
+                       "verl's mean (recipe.verl.metrics)" + (", behind the whole-step check (module doc)."
+                                                               if needs_whole_step(declaration) else "."))
+    _VERL_FUNCTIONS[loss] = compute
+    return compute
+
+
+#: FIPO's, by the name the tests and docs use: the function verl's registry holds for ``fipo``.
+compute_policy_loss_fipo_verl = verl_loss("fipo")
 
 
 __all__ = ["ALLOW_SPLIT", "ALLOW_SPLIT_KEY", "APPROXIMATE_METRIC", "allow_split_param", "approximate_metric",
-           "compute_policy_loss_fipo_verl", "needs_whole_step", "split_step_message", "whole_step_loss"]
+           "compute_policy_loss_fipo_verl", "needs_whole_step", "split_step_message", "verl_loss", "whole_step_loss"]

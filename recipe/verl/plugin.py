@@ -3,29 +3,32 @@
 Declared in pyproject.toml as the entry point ``stalerl`` of group ``verl.plugins``; verl (>=0.9) imports it from
 ``verl/__init__.py``, i.e. in every process that imports verl (driver, TaskRunner, Ray workers). Every loss of
 ``recipe.registry.declarations()`` registers -- the built-ins and the losses of the ``recipe.losses`` entry points
-(plugins) -- under its verl name (``declaration.name_in("verl")``). The functions registered are the very objects
-held by ``recipe.registry`` (no wrapper): verl calls ``get_policy_loss_fn("m2po")`` itself, per micro-batch, with its
-``ActorConfig`` as ``config``. The one exception is ``fipo``: verl gets
-:func:`recipe.verl.losses.compute_policy_loss_fipo_verl`, the registry's FIPO behind verl's whole-step check (FIPO's
-drop cannot be exact across verl's micro-batches; see that module).
+(plugins) -- under its verl name (``declaration.name_in("verl")``). verl gets one function per loss,
+:func:`recipe.verl.losses.verl_loss`: the registry's loss as is (verl calls it per micro-batch with its
+``ActorConfig`` as ``config``), its metrics renamed as below; a loss whose step decides per row (FIPO) runs behind
+verl's whole-step check (:func:`recipe.verl.losses.whole_step_loss`: its drop cannot be exact across verl's
+micro-batches; see that module).
 
-Metrics: whatever keys a loss returns (``m2po/*``, ``fipo/*``, a plugin's ``<loss>/*``) reach the trainer's logs as
+Metrics: the keys a loss returns (``m2po/*``, ``fipo/*``, a plugin's ``<loss>/*``) reach the trainer's logs as
 ``actor/<key>`` (verl's trainer prefixes every actor metric with ``actor/``). verl reduces them itself, once per
 optimizer step (mini-batch), and cannot be told a rule: its ``ppo_loss`` wraps every policy-loss metric as
 ``Metric(aggregation=MEAN)`` (a loss that returns a ``Metric`` of another aggregation is refused by verl's
 ``Metric.from_dict``), and the engine takes the plain mean over the step's micro-batches and data-parallel ranks
-(the trainer then logs the mean over the optimizer steps of one training step).
-Against the declared rules (``LossDeclaration.metrics``, ``recipe.declaration.reduce_metrics``):
+(the trainer then logs the mean over the optimizer steps of one training step). So a key whose declared rule verl
+cannot honour is logged under a name that says what verl makes of it (:mod:`recipe.verl.metrics`):
 
-- a step that is one loss call (one micro-batch, one GPU: what FIPO needs in verl anyway) is exact for every rule;
-- ``MEAN`` (weighted by valid tokens, rows or a count metric) becomes the unweighted mean of the calls' values:
-  exact when every call has the same weight, otherwise an approximation;
-- ``SUM`` (``m2po/num_*_tokens``, ``fipo/num_kept_tokens``, a plugin's counts) becomes the mean per call: the step's
-  total divided by the number of micro-batches x ranks;
-- ``MAX`` (``no_trust_region/ratio_max``) becomes the mean of the calls' maxima (at most the step's max).
+- ``SUM`` (``m2po/num_*_tokens``, ``fipo/num_kept_tokens``, a plugin's counts) as ``<key>/mean_per_call``: the
+  step's total divided by the number of micro-batches x ranks;
+- ``MAX`` (``no_trust_region/ratio_max``) as ``<key>/mean_of_call_max``: the mean of the calls' maxima (at most the
+  step's max);
+- ``MEAN`` (weighted by valid tokens, rows or a count metric) keeps its name: verl's unweighted mean of the calls'
+  values is exact when every call has the same weight (one call per step: what FIPO needs in verl anyway),
+  otherwise an approximation.
 
-The stalerl runtime, TRL, ms-swift, AReaL and Trinity-RFT reduce by the declared rules; in verl, compare counts and
-maxima across runs only at the same micro-batch split (or with one call per step).
+Renamed on every call, also when the step is one call (exact for every rule then): a loss call cannot tell whether
+it is its step's only one. The stalerl runtime, TRL, ms-swift, AReaL and Trinity-RFT reduce by the declared rules
+under the plain names; in verl, compare the renamed counts and maxima across runs only at the same micro-batch split
+(or with one call per step).
 
 The installed verl's version is checked against the tested range (``recipe.versions``) before anything registers:
 outside it the plugin refuses, unless ``STALERL_ALLOW_UNTESTED_FRAMEWORKS`` lets it through (then it warns).

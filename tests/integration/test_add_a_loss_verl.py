@@ -55,6 +55,7 @@ SCRIPT = textwrap.dedent('''
     import recipe.verl
     from recipe.declaration import reduce_metrics
     from recipe.registry import get_declaration, get_policy_loss_fn
+    from recipe.verl.metrics import verl_metric_name
 
     sys.path.insert(0, sys.argv[1])
     import _verl_cases as C
@@ -66,7 +67,7 @@ SCRIPT = textwrap.dedent('''
     out["builtins_in_verl"] = sorted(n for n in BUILTIN_POLICY_LOSSES
                                      if get_declaration(n).name_in("verl") in core_algos.POLICY_LOSS_REGISTRY)
     out["refused"] = refusals()
-    out["same_function"] = core_algos.get_policy_loss_fn("throwaway") is get_policy_loss_fn("throwaway")
+    out["same_function"] = core_algos.get_policy_loss_fn("throwaway") is recipe.verl.loss_function("throwaway")
     out["verl_names"] = recipe.verl.VERL_LOSS_NAMES
     import recipe.verl.config as vc
     cls = vc.policy_loss_config_class("throwaway")
@@ -105,8 +106,10 @@ SCRIPT = textwrap.dedent('''
             total = total + loss.detach()
             for key, metric in metrics.items():  # what verl's engine does across micro-batches
                 per_key.setdefault(key, Metric(aggregation=metric.aggregation)).extend(metric)
+            back = {verl_metric_name(k, get_declaration("throwaway").metrics): k
+                    for k in get_declaration("throwaway").metrics}  # verl's name of each declared key -> the key
             parts.append(({"valid_tokens": C.num_tokens(case, mb), "rows": len(mb)},
-                          {k: m.values[0] for k, m in metrics.items() if k.startswith("throwaway/")}))
+                          {back[k]: m.values[0] for k, m in metrics.items() if k.startswith("throwaway/")}))
         logged = {k: float(Metric.aggregate_dp([m])) for k, m in per_key.items()}
         return float(total), flat.grad, logged, parts
 
@@ -154,7 +157,7 @@ def result(tmp_path_factory):
     return json.loads(line[-1][len("RESULT "):])
 
 
-def test_import_verl_registers_the_plugin_loss_as_the_registry_function(result):
+def test_import_verl_registers_the_plugin_loss_as_the_adapters_function(result):
     assert result["before"] == []
     assert result["registered_by_import_verl"] and result["same_function"]
     assert result["verl_names"]["throwaway"] == "throwaway"
@@ -190,15 +193,18 @@ def test_verl_ppo_loss_runs_the_plugin_loss_with_its_parameter(result):
 
 
 def test_metrics_reach_verl_and_one_call_is_reduced_by_the_declared_rules(result):
+    """The SUM-declared count reaches verl as ``throwaway/num_tokens/mean_per_call`` (recipe/verl/metrics.py: verl
+    averages every metric over the step's calls), the MEAN under its own name."""
     logged, declared = result["one_call"]
-    assert {"throwaway/ratio_mean", "throwaway/num_tokens", "actor/pg_loss"} <= set(logged)
-    for key in ("throwaway/ratio_mean", "throwaway/num_tokens"):
-        assert logged[key] == pytest.approx(declared[key], rel=1e-12)
-    # a split step: verl's own reducer (the plain mean per micro-batch, recipe/verl/plugin.py) -- the SUM-declared
-    # count is the step's total / the number of micro-batches, the token-weighted mean is approximate
+    assert {"throwaway/ratio_mean", "throwaway/num_tokens/mean_per_call", "actor/pg_loss"} <= set(logged)
+    assert "throwaway/num_tokens" not in logged
+    assert logged["throwaway/ratio_mean"] == pytest.approx(declared["throwaway/ratio_mean"], rel=1e-12)
+    assert logged["throwaway/num_tokens/mean_per_call"] == pytest.approx(declared["throwaway/num_tokens"], rel=1e-12)
+    # a split step: verl's own reducer (the plain mean per micro-batch) -- the SUM-declared count is the step's
+    # total / the number of micro-batches, as its name says; the token-weighted mean is approximate
     logged, declared, n_micro = result["split"]
     assert declared["throwaway/num_tokens"] == result["one_call"][1]["throwaway/num_tokens"]
-    assert logged["throwaway/num_tokens"] == pytest.approx(declared["throwaway/num_tokens"] / n_micro)
+    assert logged["throwaway/num_tokens/mean_per_call"] == pytest.approx(declared["throwaway/num_tokens"] / n_micro)
     assert declared["throwaway/ratio_mean"] == pytest.approx(result["one_call"][1]["throwaway/ratio_mean"], rel=1e-6)
 
 

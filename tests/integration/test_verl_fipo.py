@@ -175,10 +175,16 @@ def test_fipo_through_ppo_loss_on_a_one_call_step_is_bit_identical_to_the_refere
     assert torch.equal(loss.detach(), ref_loss)
     assert torch.equal(flat.grad, ref_grad)
     approx = verl_env.losses.APPROXIMATE_METRIC
-    assert set(metrics) == set(verl_env.algorithm.METRIC_KEYS) | {approx, "actor/pg_loss"}
+    # FIPO's metrics, values unchanged; its SUM-declared count under the name of what verl makes of it
+    from recipe.verl.metrics import verl_metric_name
+
+    rules = verl_env.algorithm.DECLARATION.metrics
+    assert set(metrics) == {verl_metric_name(k, rules) for k in verl_env.algorithm.METRIC_KEYS} | \
+        {approx, "actor/pg_loss"}
+    assert "fipo/num_kept_tokens/mean_per_call" in metrics
     assert metrics[approx].values == [0.0]
     for key, value in ref_metrics.items():
-        assert metrics[key].values == [value]
+        assert metrics[verl_metric_name(key, rules)].values == [value]
 
 
 def _split_step(env, case, config):

@@ -165,12 +165,16 @@ def verl_env(launched):
     import recipe.m2po.algorithm as algorithm
     import recipe.registry as registry
     from recipe.verl import config_dir
-    from recipe.verl.config import M2POPolicyLossConfig
+    from recipe.verl.config import M2POPolicyLossConfig, policy_loss_config_class
+    from recipe.verl.metrics import verl_metric_name
 
+    m2po_rules = registry.get_declaration("m2po").metrics
     return SimpleNamespace(core_algos=core_algos, ppo_loss=ppo_loss, ActorConfig=ActorConfig, Metric=Metric,
                            AggregationType=AggregationType, rename_dict=rename_dict,
                            omega_conf_to_dataclass=omega_conf_to_dataclass, M2POPolicyLossConfig=M2POPolicyLossConfig,
-                           algorithm=algorithm, registry=registry, config_dir=config_dir)
+                           algorithm=algorithm, registry=registry, config_dir=config_dir,
+                           policy_loss_config_class=policy_loss_config_class,
+                           verl_name=lambda key, rules=m2po_rules: verl_metric_name(key, rules))
 
 
 def _actor_config(env, **policy_loss):
@@ -212,15 +216,17 @@ def test_config_target_registers_when_plugin_discovery_is_off(verl_env, launched
     assert rank1["identity_after_config"] == {n: True for n in NAMES}
 
 
-def test_verl_hands_out_the_recipe_registry_functions(verl_env):
+def test_verl_hands_out_the_adapters_function_of_each_registry_loss(verl_env):
+    """One function per loss (recipe.verl.losses.verl_loss: the registry's loss, its SUM/MAX metrics renamed for
+    verl's mean), the same object however it is looked up."""
     import recipe.verl
-    from recipe.verl.losses import compute_policy_loss_fipo_verl
+    from recipe.verl.losses import compute_policy_loss_fipo_verl, verl_loss
 
     for verl_name, recipe_name in NAMES.items():
-        expected = compute_policy_loss_fipo_verl if verl_name == "fipo" else \
-            verl_env.registry.get_policy_loss_fn(recipe_name)
+        expected = verl_loss(recipe_name)
         assert verl_env.core_algos.get_policy_loss_fn(verl_name) is expected is recipe.verl.loss_function(verl_name)
-    assert verl_env.core_algos.get_policy_loss_fn("m2po") is verl_env.algorithm.compute_policy_loss_m2po
+        assert expected.__qualname__ == f"compute_policy_loss_{recipe_name}_verl"
+    assert verl_env.core_algos.get_policy_loss_fn("fipo") is compute_policy_loss_fipo_verl
     # verl's own losses are untouched
     assert verl_env.core_algos.get_policy_loss_fn("vanilla").__module__ == "verl.trainer.ppo.core_algos"
 
@@ -274,9 +280,11 @@ def test_ppo_loss_gives_exactly_the_algorithm(verl_env, layout):
     assert torch.equal(flat.grad, ref_grad)
     # the policy loss reported to the trainer, and the recipe's metrics, unchanged
     assert float(metrics["actor/pg_loss"].aggregate()) == float(ref_loss)
-    assert set(metrics) == set(verl_env.algorithm.METRIC_KEYS) | {"actor/pg_loss"}
+    # the loss's metrics, values unchanged, a SUM-declared count under the name of what verl makes of it
+    assert set(metrics) == {verl_env.verl_name(k) for k in verl_env.algorithm.METRIC_KEYS} | {"actor/pg_loss"}
+    assert "m2po/num_masked_tokens/mean_per_call" in metrics and "m2po/num_masked_tokens" not in metrics
     for key, value in ref_metrics.items():
-        assert metrics[key].values == [value]
+        assert metrics[verl_env.verl_name(key)].values == [value]
 
 
 @pytest.mark.parametrize("tau", [TAU, 1e9], ids=["masking", "no-masking"])
@@ -334,11 +342,85 @@ def test_micro_batches_and_dp_ranks_reproduce_the_global_token_mean(verl_env, ta
     assert rank_metrics[0].keys() == rank_metrics[1].keys()
     reduced = {key: verl_env.Metric.aggregate_dp([rm[key] for rm in rank_metrics]) for key in rank_metrics[0]}
     logged = verl_env.rename_dict(reduced, "actor/")
-    assert {k for k in logged if k.startswith("actor/m2po/")} == {f"actor/{k}" for k in
+    assert {k for k in logged if k.startswith("actor/m2po/")} == {f"actor/{verl_env.verl_name(k)}" for k in
                                                                 verl_env.algorithm.METRIC_KEYS}
     assert all(isinstance(float(v), float) and math.isfinite(float(v)) for v in logged.values())
     assert float(logged["actor/pg_loss"]) == pytest.approx(float(total.detach()), rel=1e-6)
     assert float(logged["actor/m2po/threshold"]) == pytest.approx(tau)
+
+
+def _engine_step(env, config, case, ranks):
+    """verl's ppo_loss over ``ranks`` (per rank, the rows of each of its micro-batches) and verl's own reduction of
+    the metrics as the trainer logs them: per rank, the micro-batches' values extended into one Metric (the engine),
+    then ``Metric.aggregate_dp`` over the ranks, prefixed ``actor/``."""
+    bsz, n_global = len(case["response_lens"]), C.num_tokens(case)
+    flat = C.flat_for_rows(case, range(bsz))
+    rank_metrics = []
+    for micro_batches in ranks:
+        per_key = {}
+        for rows in micro_batches:
+            td = C.build_td(case, rows, "nested", dp_size=len(ranks), batch_num_tokens=n_global,
+                            global_batch_size=bsz)
+            lo, hi = case["offsets"][rows[0]], case["offsets"][rows[-1] + 1]
+            _, metrics = env.ppo_loss(config, C.model_output(flat[lo:hi], case, rows, "nested"), td)
+            for key, metric in metrics.items():
+                per_key.setdefault(key, env.Metric(aggregation=metric.aggregation)).extend(metric)
+        rank_metrics.append(per_key)
+    reduced = {key: env.Metric.aggregate_dp([rm[key] for rm in rank_metrics]) for key in rank_metrics[0]}
+    return {key: float(value) for key, value in env.rename_dict(reduced, "actor/").items()}
+
+
+RANKS = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # 2 ranks x 2 micro-batches of unequal token counts
+
+
+def test_sum_and_max_metrics_are_logged_under_names_that_say_what_verl_makes_of_them(verl_env):
+    """verl averages every policy-loss metric over the step's calls (it cannot be told a rule), so a SUM-declared
+    count is logged as ``<key>/mean_per_call`` and a MAX-declared maximum as ``<key>/mean_of_call_max``
+    (recipe/verl/metrics.py): their values through verl's own ppo_loss and Metric reduction equal those literal
+    reductions over 2 ranks x 2 micro-batches, written out here by hand; a MEAN keeps its name."""
+    case = C.make_case(seed=1)
+    calls = [rows for rank in RANKS for rows in rank]
+    mask = case["mask"]
+
+    # MAX: no_trust_region's ratio_max
+    ntr = verl_env.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2,
+                               policy_loss=verl_env.policy_loss_config_class("no_trust_region")())
+    logged = _engine_step(verl_env, ntr, case, RANKS)
+    call_max = []
+    for rows in calls:
+        d = torch.where(mask[rows], case["new"][rows] - case["old"][rows], 0.0)
+        call_max.append(max(math.exp(float(x)) for x in d[mask[rows]]))
+    assert "actor/no_trust_region/ratio_max" not in logged
+    assert logged["actor/no_trust_region/ratio_max/mean_of_call_max"] == pytest.approx(
+        sum(call_max) / len(call_max), rel=1e-6)
+    assert max(call_max) > logged["actor/no_trust_region/ratio_max/mean_of_call_max"]  # not the step's max
+    assert "actor/no_trust_region/ratio_mean" in logged  # MEAN: its own name (verl's unweighted mean of the calls)
+
+    # SUM: m2po's counts (verl's m2_scope default local: one selection per call)
+    logged = _engine_step(verl_env, _actor_config(verl_env, m2_threshold=TAU), case, RANKS)
+    valid, masked = [], []
+    for rows in calls:
+        w = max(case["response_lens"][i] for i in rows)
+        valid.append(sum(case["response_lens"][i] for i in rows))
+        masked.append(int(verl_env.algorithm.select_m2po((case["new"] - case["old"])[rows, :w],
+                                                         case["adv"][rows, :w], mask[rows, :w], TAU).num_masked))
+    assert sum(masked) > 0 and len(set(valid)) > 1
+    assert "actor/m2po/num_valid_tokens" not in logged and "actor/m2po/num_masked_tokens" not in logged
+    assert logged["actor/m2po/num_valid_tokens/mean_per_call"] == pytest.approx(sum(valid) / len(calls))
+    assert logged["actor/m2po/num_masked_tokens/mean_per_call"] == pytest.approx(sum(masked) / len(calls))
+    assert "actor/m2po/masked_fraction" in logged and "actor/m2po/threshold" in logged
+
+
+def test_the_verl_metric_names_follow_the_declared_rule_or_the_naming_convention():
+    from recipe.declaration import MAX, MEAN, SUM
+    from recipe.verl.metrics import verl_metric_name, verl_metrics
+
+    rules = {"x/count": SUM, "x/peak": MAX, "x/frac": MEAN}
+    assert [verl_metric_name(k, rules) for k in rules] == ["x/count/mean_per_call", "x/peak/mean_of_call_max",
+                                                           "x/frac"]
+    # undeclared: recipe.declaration.rule_for's convention (num_* a sum, *_max a max, else a mean)
+    assert verl_metrics({"x/num_rows": 3.0, "x/ratio_max": 2.0, "x/other": 1.0}, rules) == {
+        "x/num_rows/mean_per_call": 3.0, "x/ratio_max/mean_of_call_max": 2.0, "x/other": 1.0}
 
 
 def test_dp_group_scope_over_two_ranks_is_algorithm_1_on_the_whole_batch(verl_env, launched):
@@ -355,7 +437,7 @@ def test_dp_group_scope_over_two_ranks_is_algorithm_1_on_the_whole_batch(verl_en
     # the selection is group-wide, so every rank reports the whole batch's statistics
     for r in results:
         for key, value in ref_metrics.items():
-            assert r["metrics"][key] == [pytest.approx(value, rel=1e-9, abs=1e-12)], key
+            assert r["metrics"][verl_env.verl_name(key)] == [pytest.approx(value, rel=1e-9, abs=1e-12)], key
     # and a local selection per half would have been different (the test is not vacuous)
     local = [verl_env.algorithm.select_m2po((case["new"] - case["old"])[h], case["adv"][h], case["mask"][h], TAU)
              for h in (rows[:4], rows[4:])]

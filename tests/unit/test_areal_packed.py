@@ -191,3 +191,20 @@ def test_a_loss_parameter_named_like_an_areal_field_is_refused_alone() -> None:
     assert "kl_thief" not in losses and "kl_ctl" not in keys
     assert set(registry.BUILTIN_POLICY_LOSSES) <= set(losses) and "fipo_decay_rate" in keys
     assert "'kl_ctl'" in refused["areal:kl_thief"] and "Fix:" in refused["areal:kl_thief"]
+
+
+def test_the_step_scope_comes_from_the_declaration_not_a_loss_name():
+    """AReaL's loss config hands a loss call the declared in-plan value of the step-scope parameter (M2PO's
+    ``m2_scope``: ``local``), and the plan spans the group unless that parameter is set to its declared local
+    value; a loss without one always plans over the group."""
+    from types import SimpleNamespace
+
+    from recipe.areal.rules import loss_config, plan_scope, plans_over_group
+
+    m2po = SimpleNamespace(loss="m2po", m2_threshold=0.02, m2_scope="dp_group", eps_clip=0.2, eps_clip_higher=None)
+    assert loss_config(m2po)["m2_scope"] == "local" and loss_config(m2po)["m2_threshold"] == 0.02
+    assert plan_scope(m2po) == "dp_group" and plans_over_group(m2po)
+    local = SimpleNamespace(**{**vars(m2po), "m2_scope": "local"})
+    assert plan_scope(local) == "local" and not plans_over_group(local)
+    fipo = SimpleNamespace(loss="fipo", eps_clip=0.2, eps_clip_higher=None)
+    assert plan_scope(fipo) is None and plans_over_group(fipo) and "m2_scope" not in loss_config(fipo)

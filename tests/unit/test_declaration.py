@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.declaration import MAX, MEAN, PPO_CLIP, SUM, LossDeclaration, Metric, mean_over, param, reduce_metrics
+from recipe.declaration import (MAX, MEAN, PPO_CLIP, SUM, LossDeclaration, Metric, StepScope, mean_over, param,
+                                reduce_metrics)
 from recipe.registry import (BUILTIN_POLICY_LOSSES, declarations, get_declaration, get_policy_loss_spec,
                              registered_policy_losses)
 
@@ -41,13 +42,19 @@ def test_param_check_is_the_one_validation():
 
 def test_read_is_typed_prefers_verls_policy_loss_and_runs_the_rules():
     decl = LossDeclaration(name="toy", summary="s", params=(param("k", 1.0, gt=0.0, help="h"),
-                                                             param("s", "x", choices=("x", "y"), help="h",
-                                                                   defaults={"loss_call": "y"})),
+                                                             param("s", "x", choices=("x", "y", "z"), help="h")),
+                           step="batch_selector",
+                           step_scope=StepScope(param="s", group="x", local="y", planned="z", unplanned="y"),
                            rules=(lambda v, clip: [("k", f"must be < 1 + {clip[1]}")] if v["k"] >= 1 + clip[1]
                                   else [],))
     p = decl.read({"k": 0.5, "policy_loss": {"k": 0.25}})
     assert (p.k, p.s) == (0.25, "x") and dataclasses.is_dataclass(p) and type(p).__name__ == "ToyParams"
-    assert decl.read(None, framework="loss_call").s == "y"
+    # a loss call reads its step-scope parameter by where it runs: outside a planned step, unset, the declared
+    # unplanned value (set: as set); inside one, always the planned value; a config surface: the default
+    assert decl.read(None, planned=False).s == "y" and decl.read({"s": "x"}, planned=False).s == "x"
+    assert decl.read({"s": "x"}, planned=True).s == "z" and decl.read(None).s == "x"
+    assert decl.scope_param() is decl.param("s") and decl.is_step_scope(decl.param("s"))
+    assert not decl.is_step_scope(decl.param("k"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.k = 2.0
     with pytest.raises(ValueError, match=r"^actor\.k must be < 1 \+ 0\.2$"):
@@ -67,6 +74,11 @@ def test_a_declaration_refuses_what_it_cannot_mean():
         LossDeclaration(name="x", summary="s", metrics={"x/a": mean_over("x/n")})
     with pytest.raises(ValueError, match="combine"):
         Metric("median")
+    scope = StepScope(param="a", group="g", local="l", planned="l", unplanned="l")
+    with pytest.raises(ValueError, match="step_scope.param 'a' is not one of its parameters"):
+        LossDeclaration(name="x", summary="s", step="batch_selector", step_scope=scope)
+    with pytest.raises(ValueError, match="step_scope needs a step planner"):
+        LossDeclaration(name="x", summary="s", params=(param("a", "g", help="h"),), step_scope=scope)
 
 
 def test_reduce_metrics_pools_a_fraction_of_a_loss_count_exactly():

@@ -45,3 +45,51 @@ def test_a_nan_loss_ends_the_run_as_diverged_with_its_curves(tmp_path):
     assert cell.diverged and not cell.finished and cell.value("eval.final") == "diverged"
     assert collapsed(s, CollapseRule()) is True
     assert run_metric(s, "last3") == 0.0  # evals after the divergence count as 0, never as missing
+
+
+def test_divergence_is_classified_by_the_exception_type_not_its_words():
+    """``NonFiniteLogProbError`` (in this process, or a train worker's, named by its WorkerFailure) is a divergence
+    whatever its message; any other error is not, even one whose message says "non-finite"."""
+    from recipe.common import NonFiniteLogProbError
+    from stalerl.training.trainer import divergence_reason
+    from stalerl.training.workers.process import WorkerFailure
+
+    assert divergence_reason(NonFiniteLogProbError("m2po: NaN on a valid token\nmore")) == "m2po: NaN on a valid token"
+    assert divergence_reason(ValueError("non-finite values on valid tokens")) is None
+    assert divergence_reason(RuntimeError("non-finite")) is None
+    worker = WorkerFailure("train/1", None, "NonFiniteLogProbError: m2po: NaN on a valid token\nTraceback ...",
+                           exc_type="NonFiniteLogProbError")
+    assert divergence_reason(worker) == "train/1: m2po: NaN on a valid token"
+    assert divergence_reason(WorkerFailure("train/1", None, "RuntimeError: non-finite values",
+                                           exc_type="RuntimeError")) is None
+    assert divergence_reason(WorkerFailure("train/1", 1, "the process exited unexpectedly")) is None
+
+
+def test_a_loss_that_refuses_non_finite_log_probs_ends_the_run_as_diverged(tmp_path, monkeypatch):
+    """The in-process path of a refusal: the loss raises NonFiniteLogProbError (its message without the words
+    "non-finite"), the run ends diverged at that step."""
+    import stalerl.launch.launcher as launcher
+    from recipe.common import NonFiniteLogProbError
+    from stalerl.training.trainer import TrainingDiverged
+
+    calls = {"n": 0}
+
+    def refuse_third(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                     rollout_is_weights=None, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise NonFiniteLogProbError("test_refuse_third: NaN log_prob on a valid token")
+        return get_policy_loss_fn("no_trust_region")(
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+            loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights)
+
+    from recipe.testing import registry_state
+
+    with registry_state():
+        register_policy_loss("test_refuse_third")(refuse_third)
+        cfg = load_config(["--config", str(CPU_CONFIG), *small_overrides(tmp_path, **{
+            "actor.loss": "test_refuse_third", "total_train_steps": 6})])
+        with pytest.raises(TrainingDiverged, match="diverged at step 3: test_refuse_third: NaN log_prob"):
+            launcher.launch(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["steps_done"] == 2

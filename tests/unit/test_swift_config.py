@@ -212,3 +212,35 @@ def test_a_loss_named_like_swifts_own_is_refused_alone_and_the_others_stay():
     assert {registry.get_declaration(n).name_in("swift") for n in registry.BUILTIN_POLICY_LOSSES} <= set(types)
     assert "swift has its own loss 'sapo'" in refused["swift:sapo"] and "framework_names" in refused["swift:sapo"]
     assert "\n" not in refused["swift:sapo"]
+
+
+def test_a_plugin_with_a_swift_namesake_gets_fipos_treatment():
+    """What ms-swift must know about a loss with an ms-swift namesake is a declaration field
+    (``LossDeclaration.namesake_flags``), not a loss-name branch: a plugin ``sapo`` renamed ``sapo_ref`` in ms-swift
+    that declares ms-swift's ``--tau_pos`` as its namesake's flag has it refused at any value but the default, naming
+    its own variable; ``--delta`` is refused as for any loss (it is no namesake flag of this one)."""
+    import recipe.registry as registry
+    from recipe.declaration import LossDeclaration, NamesakeFlag, param
+    from recipe.testing import registry_state
+
+    with registry_state():
+        registry.register_policy_loss(LossDeclaration(
+            name="sapo", summary="a plugin with an ms-swift namesake",
+            params=(param("sapo_temp", 1.0, gt=0.0, help="x"),), framework_names={"swift": "sapo_ref"},
+            namesake_flags={"swift": (NamesakeFlag("tau_pos", 1.0, "sapo_temp"),)}))(lambda **kw: None)
+        check_swift_args(_args(loss_type="sapo_ref", tau_pos=1.0))
+        with pytest.raises(ValueError) as info:
+            check_swift_args(_args(loss_type="sapo_ref", tau_pos=2.0))
+        with pytest.raises(ValueError, match="two-sided clip"):
+            check_swift_args(_args(loss_type="sapo_ref", delta=3.0))
+    msg = str(info.value)
+    assert msg.startswith("--loss_type sapo_ref does not support --tau_pos 2.0: that flag configures ms-swift's own "
+                          "sapo; sapo_ref reads its settings from the environment")
+    assert "export STALERL_SAPO_TEMP" in msg and "\n" not in msg
+
+
+def test_a_namesake_flag_must_name_a_parameter_of_the_loss():
+    from recipe.declaration import LossDeclaration, NamesakeFlag
+
+    with pytest.raises(ValueError, match="namesake flag swift --x names 'y', which is not one of its parameters"):
+        LossDeclaration(name="z", summary="s", namesake_flags={"swift": (NamesakeFlag("x", 1, "y"),)})
