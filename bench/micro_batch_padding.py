@@ -10,6 +10,12 @@ max_new_tokens=512. For each ``max_tokens_per_mb`` it prints, summed over ``--se
 step, the tokens the forward/backward computes (rows x (longest prompt + longest response) per micro-batch), the
 real tokens, the padding share and the ratio bucketed / consecutive. ``--time`` also times ``Actor.update`` on the
 embedded tiny model with the same lengths divided by 8 (CPU; a ratio, printed, never asserted on).
+
+``--packed`` (``actor.mb_spec.pack_sequences``): on a real model (default SmolLM2-135M-Instruct, fetched with
+``stalerl-model fetch smollm2-135m-instruct``), float32, rows of mixed lengths (prompts 20-60 tokens, responses 5-64,
+uniform, random tokens), the actor's forward + backward over the same micro-batches padded and packed, alternated
+rep by rep in one process: seconds per real token of each, their ratio, and the padding fraction packing removes.
+The machine's load average is printed beside it (a shared machine slows both sides; the ratio is the figure).
 """
 
 from __future__ import annotations
@@ -101,13 +107,98 @@ def time_update(repeat: int) -> None:
     print(f"  ratio bucketed / consecutive: {best['true'] / best['false']:.2f}")
 
 
+def _mixed_batch(vocab: int, rows: int, seed: int):
+    import torch
+
+    from stalerl.rollout.batch import RolloutBatch
+
+    rng = random.Random(seed)
+    p_len = [rng.randint(20, 60) for _ in range(rows)]
+    r_len = [rng.randint(5, 64) for _ in range(rows)]
+    pw, rw = max(p_len), max(r_len)
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.tensor([[j >= pw - p for j in range(pw)] for p in p_len])
+    response_mask = torch.tensor([[j < r for j in range(rw)] for r in r_len])
+    return RolloutBatch(prompt_ids=torch.randint(3, vocab, (rows, pw), generator=g) * prompt_mask,
+                        prompt_mask=prompt_mask,
+                        response_ids=torch.randint(3, vocab, (rows, rw), generator=g) * response_mask,
+                        response_mask=response_mask, behavior_logp=-torch.rand(rows, rw, generator=g) * response_mask,
+                        versions=torch.zeros(rows, rw, dtype=torch.long), rewards=torch.rand(rows),
+                        group_ids=torch.arange(rows) // 4)
+
+
+def time_packed(model_name: str, rows: int, max_tokens: int, repeat: int, threads: int) -> None:
+    import os
+
+    import torch
+
+    from stalerl.config import load_config
+    from stalerl.core.model import load_policy
+    from stalerl.training.actor import Actor
+
+    torch.set_num_threads(threads)
+    model, _ = load_policy(model_name, dtype="float32", device="cpu")
+    batch = _mixed_batch(model.config.vocab_size, rows, seed=0)
+    actors = {}
+    for mode in ("padded", "packed"):
+        cfg = load_config([f"actor.mb_spec.max_tokens_per_mb={max_tokens}",
+                           f"actor.mb_spec.pack_sequences={str(mode == 'packed').lower()}"])
+        actors[mode] = Actor(model, cfg.actor, temperature=1.0, total_updates=1)
+    # The same micro-batches on both sides (the padded sizing), so only the packing differs.
+    groups = actors["padded"].micro_batches(batch)
+    p_len, r_len = batch.prompt_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist()
+    real = sum(p_len) + sum(r_len)
+    computed = padded_tokens(p_len, r_len, groups)
+    packed_sizing = len(actors["packed"].micro_batches(batch))
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in Path("/proc/cpuinfo").read_text()] \
+        if Path("/proc/cpuinfo").exists() else []
+    print(f"\n{model_name} float32, {rows} rows (prompts 20-60, responses 5-64), max_tokens_per_mb={max_tokens}: "
+          f"{len(groups)} micro-batches (packed sizing by real tokens: {packed_sizing}), {threads} threads, "
+          f"CPU flags {' '.join(flags) or 'n/a'}")
+    print(f"  padded computes {computed:,} tokens for {real:,} real: packing removes {1 - real / computed:.1%} of the "
+          "forward's tokens")
+
+    def fwd_bwd(actor: Actor) -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        for rows_ in groups:
+            mb = batch.select(rows_)
+            lp = actor._forward_logp(mb)
+            (lp * mb.response_mask).sum().backward()
+        return time.perf_counter() - start
+
+    model.train()
+    fwd_bwd(actors["packed"])  # warm-up, both paths
+    fwd_bwd(actors["padded"])
+    times: dict[str, list[float]] = {"padded": [], "packed": []}
+    for rep in range(repeat):
+        for mode in (("padded", "packed") if rep % 2 == 0 else ("packed", "padded")):
+            times[mode].append(fwd_bwd(actors[mode]))
+        print(f"  rep {rep}: padded {times['padded'][-1]:.2f} s, packed {times['packed'][-1]:.2f} s, "
+              f"load {os.getloadavg()[0]:.1f}")
+    for mode in ("padded", "packed"):
+        t = sorted(times[mode])[len(times[mode]) // 2]
+        print(f"  {mode:>6}: median {t:.2f} s per forward+backward, {t / real * 1e3:.3f} ms per real token")
+    ratios = sorted(b / a for a, b in zip(times["padded"], times["packed"]))
+    print(f"  packed / padded time, per rep (alternating): {' '.join(f'{r:.2f}' for r in ratios)}; median "
+          f"{ratios[len(ratios) // 2]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[16384, 8192, 4096])
     ap.add_argument("--time", action="store_true", help="also time Actor.update on the tiny model (CPU)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--packed", action="store_true", help="time padded vs packed forward+backward on a real model")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="--packed's model (name or directory)")
+    ap.add_argument("--rows", type=int, default=16, help="--packed's rows")
+    ap.add_argument("--packed-max-tokens", type=int, default=1024, help="--packed's max_tokens_per_mb")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.packed:
+        time_packed(args.model, args.rows, args.packed_max_tokens, args.repeat, args.threads)
+        return
     padding_table(args.seeds, args.max_tokens)
     if args.time:
         time_update(args.repeat)

@@ -146,3 +146,47 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, as HF generate does with left padding."""
     pos = attention_mask.long().cumsum(dim=1) - 1
     return pos.clamp(min=0)
+
+
+@dataclass
+class PackedRows:
+    """A micro-batch's rows as one padding-free row (``actor.mb_spec.pack_sequences``): each row's real tokens
+    (prompt, then response) back to back, position ids restarting at 0 per row, so transformers' masking utilities
+    (``find_packed_sequence_indices``) keep attention within each row when no attention mask is passed.
+
+    The response tokens to score are listed flat, in row-major order of ``response_mask``: ``target_ids[k]`` sits at
+    ``(rows[k], cols[k])`` of the padded response layout and is predicted by the model's output at packed column
+    ``predictor[k]`` (the token before it in the same row)."""
+
+    input_ids: torch.Tensor  # (1, L) int64
+    position_ids: torch.Tensor  # (1, L) int64
+    predictor: torch.Tensor  # (M,) int64: packed columns whose outputs predict the targets
+    target_ids: torch.Tensor  # (M,) int64
+    rows: torch.Tensor  # (M,) int64
+    cols: torch.Tensor  # (M,) int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack_rows(batch: RolloutBatch) -> PackedRows:
+    """``batch``'s real tokens (attention mask true) as one row; see :class:`PackedRows`. Position ids count each
+    row's real tokens, as :func:`position_ids_from_mask` does for the padded layout, so a row sees the same
+    positions and (its own) context either way. Raises ValueError for a row with response tokens but no prompt
+    token: its first response token has no predecessor to be predicted from."""
+    attn = batch.attention_mask()
+    width = attn.shape[1]
+    flat = attn.reshape(-1)
+    keep = flat.nonzero().squeeze(1)
+    input_ids = batch.input_ids().reshape(-1)[keep].unsqueeze(0)
+    positions = position_ids_from_mask(attn).reshape(-1)[keep].unsqueeze(0)
+    packed_index = flat.long().cumsum(0) - 1  # packed column of each real (row, column) of the padded layout
+    rows, cols = batch.response_mask.nonzero(as_tuple=True)
+    target = packed_index[rows * width + batch.prompt_ids.shape[1] + cols]
+    if rows.numel() and bool((positions[0, target] == 0).any()):
+        bad = int(rows[positions[0, target] == 0][0])
+        raise ValueError(f"pack_rows: row {bad} has response tokens but no prompt token, so its first response "
+                         "token has nothing to be predicted from; every row needs a non-empty prompt")
+    return PackedRows(input_ids=input_ids, position_ids=positions, predictor=target - 1,
+                      target_ids=batch.response_ids[rows, cols], rows=rows, cols=cols)

@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,8 +24,63 @@ from recipe.registry import get_policy_loss_spec
 from recipe.rollout_correction import CorrectionParams, apply_correction
 from stalerl.core.chunked_logprob import chunked_logprob_check, default_chunk_elements, head_returns_token_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
-from stalerl.rollout.batch import RolloutBatch, position_ids_from_mask
+from stalerl.rollout.batch import RolloutBatch, pack_rows, position_ids_from_mask
 from stalerl.training import fsdp
+
+# An update (one step's optimizer steps) that has run this long prints a progress line, then one per this many
+# seconds (issue 43 item 7; the HF engine's generation does the same, stalerl.rollout.engine.PROGRESS_EVERY_S).
+UPDATE_PROGRESS_EVERY_S = 30.0
+
+
+def _print_line(line: str) -> None:
+    """The default progress log: stdout, flushed (a train worker's stdout is a pipe, block-buffered otherwise)."""
+    print(line, flush=True)
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class UpdateProgress:
+    """Progress of one update over its micro-batches: after a micro-batch, once ``every_s`` seconds have passed
+    since the start (then since the last line), one line through ``log``: micro-batches done / total, tokens
+    forwarded (real tokens, prompt + response) and their rate, ETA from that rate. The granularity is a
+    micro-batch (a line waits for the one running); the planner's no-grad passes (M2PO's selection over the
+    mini-batch) call :meth:`check` after each of their micro-batches, so they print too, and count in the elapsed
+    time, so in the rate and ETA. ``clock`` is injectable for tests."""
+
+    def __init__(self, total_micro_batches: int, total_tokens: int, log: Callable[[str], None], every_s: float,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.total_micro_batches, self.total_tokens = total_micro_batches, total_tokens
+        self.log, self.every_s, self.clock = log, every_s, clock
+        self.start = clock()
+        self.next_line = self.start + every_s
+        self.micro_batches = self.tokens = 0
+
+    def done(self, tokens: int) -> None:
+        """A training micro-batch of ``tokens`` real tokens finished: counted, then :meth:`check`."""
+        self.micro_batches += 1
+        self.tokens += int(tokens)
+        self.check()
+
+    def check(self) -> None:
+        """The progress line, if the interval has passed since the start or the last line."""
+        now = self.clock()
+        if now < self.next_line:
+            return
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.tokens / elapsed
+        eta = (self.total_tokens - self.tokens) / rate if rate > 0 else math.inf
+        self.log(f"update: {self.micro_batches}/{self.total_micro_batches} micro-batches done, {self.tokens}/"
+                 f"{self.total_tokens} tokens at {rate:.1f} tokens/s, {elapsed:.0f} s so far, ETA ~"
+                 f"{_format_duration(eta) if math.isfinite(eta) else 'unknown'}")
+        self.next_line = now + self.every_s
+
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                    chunk_elements: Optional[int] = None) -> torch.Tensor:
@@ -70,15 +125,41 @@ class DataParallel:
     group: Optional[Any] = None
 
 
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+
+
+def fused_adamw_problem(params: list[torch.Tensor]) -> Optional[str]:
+    """Why torch's fused AdamW cannot step these parameters (None: it can): the same conditions torch checks in
+    ``AdamW(fused=True)`` (floating-point tensors on a device with fused kernels), asked before any work so the
+    refusal is one line naming the key, never a silent fallback to foreach."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    for p in params:
+        if p.device.type not in devices or not torch.is_floating_point(p):
+            return f"a {p.dtype} parameter on {p.device.type} (fused kernels: floating point on {', '.join(devices)})"
+    return None
+
+
 def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if opt_cfg.type == "adamw":
-        # foreach=True: torch picks the multi-tensor path only for CUDA tensors, and on CPU runs one small kernel per
-        # parameter per operation. The multi-tensor path computes the same update bit for bit (same ops, same
-        # order; tests/unit/test_actor.py checks it against foreach=False) in ~half the time on SmolLM2's 272 tensors
-        # (bench/real_model_limits.py). fused=True is faster still but rounds differently, so it is not the default.
+        impl = getattr(opt_cfg, "implementation", "foreach")
+        if impl not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(f"actor.optimizer.implementation must be foreach or fused, got {impl!r}")
+        if impl == "fused":
+            problem = fused_adamw_problem(params)
+            if problem is not None:
+                raise ValueError(f"actor.optimizer.implementation=fused: torch {torch.__version__} has no fused "
+                                 f"AdamW for {problem}; set actor.optimizer.implementation=foreach")
+        # foreach (default): torch picks the multi-tensor path only for CUDA tensors unless asked, and on CPU runs
+        # one small kernel per parameter per operation. The multi-tensor path computes the same update bit for bit
+        # (same ops, same order; tests/unit/test_actor.py checks it against foreach=False) in ~half the time on
+        # SmolLM2's 272 tensors (bench/real_model_limits.py). fused (opt-in): one kernel per parameter doing the
+        # whole update, faster still but rounded differently (tests/unit/test_adamw_implementation.py bounds the
+        # difference; bench/adamw_variants.py measures the three).
         return torch.optim.AdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
-                                 weight_decay=opt_cfg.weight_decay, foreach=True)
+                                 weight_decay=opt_cfg.weight_decay, **_adamw_kernel(impl))
     if opt_cfg.type == "sgd":
         return torch.optim.SGD(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     raise ValueError(f"actor.optimizer.type must be adamw or sgd, got {opt_cfg.type!r}")
@@ -112,7 +193,7 @@ def loss_config(actor_cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for decl in declarations().values():
         for p in decl.params:
-            out[p.name] = p.planned_value if p.step_scope else getattr(actor_cfg, p.name)
+            out[p.name] = decl.step_scope.planned if decl.is_step_scope(p) else getattr(actor_cfg, p.name)
     out.update(eps_clip=actor_cfg.eps_clip, eps_clip_higher=actor_cfg.eps_clip_higher, c_clip=actor_cfg.c_clip,
                global_batch_info={})
     return out
@@ -125,15 +206,20 @@ def padded_tokens(prompt_len: list[int], resp_len: list[int], groups: list[list[
 
 
 def pack_micro_batches(prompt_len: list[int], resp_len: list[int], max_tokens: int, *,
-                       sort_by_length: bool = False) -> list[list[int]]:
+                       sort_by_length: bool = False, packed: bool = False) -> list[list[int]]:
     """Row indices per micro-batch: rows added greedily while rows x (longest prompt + longest response) stays within
     ``max_tokens`` (a row alone may exceed it). All rows fitting at once: one micro-batch in row order. Otherwise
     ``sort_by_length`` takes the rows by response length, then prompt length (stable: ties keep row order), else
     in row order. Responses first: they vary most (GSM8K: 20-512 tokens against prompts of ~65-265), and by
-    response alone the padding is ~3% lower than by prompt + response (bench/micro_batch_padding.py)."""
+    response alone the padding is ~3% lower than by prompt + response (bench/micro_batch_padding.py).
+
+    ``packed`` (actor.mb_spec.pack_sequences): a micro-batch is one row of its rows' real tokens, so ``max_tokens``
+    bounds the sum of prompt + response lengths, padding no longer counted."""
     n = len(prompt_len)
     if n == 0:
         return []
+    if packed:
+        return _pack_by_real_tokens(prompt_len, resp_len, max_tokens, sort_by_length)
     if n * (max(prompt_len) + max(resp_len)) <= max_tokens:
         return [list(range(n))]
     order = sorted(range(n), key=lambda i: (resp_len[i], prompt_len[i])) if sort_by_length else range(n)
@@ -153,6 +239,65 @@ def pack_micro_batches(prompt_len: list[int], resp_len: list[int], max_tokens: i
     return groups
 
 
+def _pack_by_real_tokens(prompt_len: list[int], resp_len: list[int], max_tokens: int,
+                         sort_by_length: bool) -> list[list[int]]:
+    """:func:`pack_micro_batches` for packed micro-batches: greedy over rows (ordered as there) while the sum of
+    real tokens stays within ``max_tokens`` (a row alone may exceed it)."""
+    n = len(prompt_len)
+    if sum(prompt_len) + sum(resp_len) <= max_tokens:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: (resp_len[i], prompt_len[i])) if sort_by_length else range(n)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        size = prompt_len[i] + resp_len[i]
+        if cur and used + size > max_tokens:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += size
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def packing_check(model: torch.nn.Module, atol: float = 1e-4) -> tuple[bool, str]:
+    """``(ok, reason)``: whether this model's attention keeps packed rows apart (actor.mb_spec.pack_sequences): two
+    short rows packed into one (no attention mask, position ids restarting at 0) must give each row's own float32
+    next-token log-probs (those the actor computes), run alone, within ``atol``. Probed once at start, because
+    whether the position ids are honoured is the model's and its attention implementation's business
+    (transformers' sdpa/eager masks detect the packing from the position ids; other implementations may not), so
+    no list of model types. The tolerance sits between float32 rounding across shapes (SmolLM2-135M: 6e-6; the
+    tiny models: < 1e-6) and rows that see each other (SmolLM2: 22, the second row attending to the first)."""
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    device = next(model.parameters()).device
+    rows = [(torch.arange(6, device=device) * 7 + 3).remainder(vocab), (torch.arange(4, device=device) * 5 + 11)
+            .remainder(vocab)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            def next_token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                return token_logprobs(logits[:, :-1], ids[1:].unsqueeze(0))[0]
+
+            alone = [next_token_logp(model(input_ids=r.unsqueeze(0), use_cache=False).logits, r) for r in rows]
+            logits = model(input_ids=torch.cat(rows).unsqueeze(0), use_cache=False,
+                           position_ids=torch.cat([torch.arange(len(r), device=device) for r in rows]).unsqueeze(0)
+                           ).logits
+            packed = [next_token_logp(logits[:, :len(rows[0])], rows[0]),
+                      next_token_logp(logits[:, len(rows[0]):], rows[1])]
+    except Exception as exc:  # a forward that refuses the inputs: packing is refused with its message
+        return False, f"its forward failed on a packed row ({type(exc).__name__}: {exc})"[:300]
+    finally:
+        model.train(was_training)
+    err = float((torch.cat(packed) - torch.cat(alone)).abs().max())
+    if not err <= atol:
+        return False, (f"packed rows' float32 log-probs differ from each row's own by {err:.2e} > {atol:g} (its "
+                       "attention does not keep the sequences apart)")
+    return True, ""
+
+
 def correction_params(cfg: Any) -> CorrectionParams:
     """The experiment config's rollout_correction section as the recipe's parameter object."""
     rc = cfg.rollout_correction
@@ -162,8 +307,13 @@ def correction_params(cfg: Any) -> CorrectionParams:
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: Any, *, temperature: float, total_updates: int,
                  dp: Optional[DataParallel] = None, loss_scale_factor: Optional[int] = None,
-                 correction: Optional[CorrectionParams] = None):
+                 correction: Optional[CorrectionParams] = None, log: Callable[[str], None] = _print_line,
+                 progress_every_s: float = UPDATE_PROGRESS_EVERY_S):
+        """``log``: where an update longer than ``progress_every_s`` prints its progress lines (the trainer passes
+        the run's log, as it does for the HF engine's generation progress)."""
         self.model = model
+        self.log = log
+        self.progress_every_s = float(progress_every_s)
         # rollout_correction (recipe/rollout_correction.py): a step before the loss on every mini-batch; none = off
         self.correction = correction or CorrectionParams()
         # Mixed precision: fp32 master parameters stepped by the optimizer, forward/backward under autocast.
@@ -197,11 +347,33 @@ class Actor:
         self.sharded = False  # actor.backend=fsdp:dY after shard(): parameters are FSDP2 DTensor shards
         self.max_tokens_per_mb = int(actor_cfg.mb_spec.max_tokens_per_mb)
         self.length_bucketing = bool(getattr(actor_cfg.mb_spec, "length_bucketing", False))
+        self.pack_sequences = bool(getattr(actor_cfg.mb_spec, "pack_sequences", False))
+        if self.pack_sequences:
+            self._check_packing(model, str(getattr(actor_cfg, "backend", "torch:d1")))
+        self._adamw_implementation = str(getattr(actor_cfg.optimizer, "implementation", "foreach"))
         self.logp_seconds = 0.0  # wall time in compute_logp (no-grad passes), for the trainer's step-time split
         self.optimizer_seconds = 0.0  # wall time of gradient clipping + optimizer step (the split's optimizer part)
 
+    @staticmethod
+    def _check_packing(model: torch.nn.Module, backend: str) -> None:
+        """actor.mb_spec.pack_sequences=true: refused at start, in one line, where it is not known to work."""
+        from stalerl.config.backend import parse_backend
+
+        b = parse_backend(backend, key="actor.backend")
+        if b.engine == "fsdp" and b.dp > 1:
+            # Packing changes only the forward's inputs, but no test covers it under FSDP2's sharded forward
+            # (tests/unit/test_pack_sequences.py runs the replicated engine): refused rather than assumed.
+            raise ValueError(f"actor.mb_spec.pack_sequences=true is not supported with actor.backend={backend} "
+                             "(untested under FSDP2); set actor.mb_spec.pack_sequences=false or actor.backend=torch:dY")
+        ok, reason = packing_check(model)
+        if not ok:
+            raise ValueError(f"actor.mb_spec.pack_sequences=true: {type(model).__name__} cannot run packed rows: "
+                             f"{reason}; set actor.mb_spec.pack_sequences=false")
+
     # ---------------------------------------------------------------- log-probs
     def _forward_logp(self, mb: RolloutBatch) -> torch.Tensor:
+        if self.pack_sequences:
+            return self._forward_logp_packed(mb)
         input_ids = mb.input_ids().to(self.device)
         attn = mb.attention_mask().to(self.device)
         p = mb.prompt_ids.shape[1]
@@ -223,8 +395,34 @@ class Actor:
             return out.logits  # the head returned the (N, r) float32 log-probs
         return token_logprobs(out.logits[:, columns], ids, self.temperature)
 
+    def _forward_logp_packed(self, mb: RolloutBatch) -> torch.Tensor:
+        """:meth:`_forward_logp` over the micro-batch packed into one row (actor.mb_spec.pack_sequences): the same
+        (N, R) float32 log-probs up to float rounding, 0 on response padding (the padded path leaves values there
+        that every consumer masks out). No attention mask: transformers then builds the per-sequence causal mask
+        from the restarting position ids (probed at start, :func:`packing_check`)."""
+        packed = pack_rows(mb)
+        ids = packed.target_ids.to(self.device).unsqueeze(0)  # (1, M)
+        predictor = packed.predictor.to(self.device)
+        kwargs = {}
+        if self._logits_to_keep:
+            # Only the M predicting columns reach the head (transformers takes a 1-D index tensor here).
+            kwargs["logits_to_keep"] = predictor
+            columns: Any = slice(0, predictor.numel())
+        else:
+            columns = predictor
+        head = (head_returns_token_logprobs(self.model, ids, columns, self.temperature) if self.chunked_logprobs
+                else contextlib.nullcontext())
+        with autocast_context(self.device, self.compute_dtype), head:
+            out = self.model(input_ids=packed.input_ids.to(self.device), attention_mask=None,
+                             position_ids=packed.position_ids.to(self.device), use_cache=False, **kwargs)
+        lp = out.logits if self.chunked_logprobs else token_logprobs(out.logits[:, columns], ids, self.temperature)
+        # Back to the padded (N, R) layout, differentiably (index_put of the (M,) values into zeros).
+        full = torch.zeros(mb.response_ids.shape, dtype=torch.float32, device=self.device)
+        return full.index_put((packed.rows.to(self.device), packed.cols.to(self.device)), lp.reshape(-1))
+
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
-        """Rows packed while rows x padded width stays within max_tokens_per_mb (at least one row per micro-batch).
+        """Rows packed while rows x padded width stays within max_tokens_per_mb (at least one row per micro-batch);
+        with mb_spec.pack_sequences, while their real tokens (prompt + response, no padding) do.
 
         A batch that fits one micro-batch is one, in its own row order (bit-for-bit the update it always had).
         Otherwise, with mb_spec.length_bucketing (the GPU configs), rows are taken in order of length (response,
@@ -232,11 +430,13 @@ class Actor:
         without it (the default), consecutive rows. Either way the update is the same up to float rounding (module
         docstring)."""
         return pack_micro_batches(batch.prompt_mask.sum(dim=1).tolist(), batch.response_mask.sum(dim=1).tolist(),
-                                  self.max_tokens_per_mb, sort_by_length=self.length_bucketing)
+                                  self.max_tokens_per_mb, sort_by_length=self.length_bucketing,
+                                  packed=self.pack_sequences)
 
     @torch.no_grad()
-    def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
-        """Log-probs of the batch's responses under the current weights (no grad), (N, R) on CPU, 0 on padding."""
+    def compute_logp(self, batch: RolloutBatch, progress: Optional[UpdateProgress] = None) -> torch.Tensor:
+        """Log-probs of the batch's responses under the current weights (no grad), (N, R) on CPU, 0 on padding.
+        ``progress``: the running update's, checked after each micro-batch (the planner's pass)."""
         start = time.perf_counter()  # the .cpu() copies below wait for the device, so this is the pass's time
         was_training = self.model.training
         self.model.eval()
@@ -246,6 +446,8 @@ class Actor:
             mb = batch.select(rows)
             lp = self._forward_logp(mb).cpu()
             out[rows, :lp.shape[1]] = torch.where(mb.response_mask, lp, torch.zeros_like(lp))
+            if progress is not None:
+                progress.check()
         for _ in range(self._missing_passes(len(micro))):
             fsdp.dummy_forward(self.model, self.device, self.compute_dtype)
         self.model.train(was_training)
@@ -313,8 +515,8 @@ class Actor:
         (M2PO's m2_scope) says local."""
         if self.dp.size == 1:
             return None
-        scoped = [p for p in self.spec.declaration.params if p.step_scope]
-        if scoped and getattr(self.cfg, scoped[0].name) == "local":
+        scope = self.spec.declaration.step_scope
+        if scope is not None and getattr(self.cfg, scope.param) == scope.local:
             return None
         return self.dp.group
 
@@ -341,8 +543,14 @@ class Actor:
         per_step: list[dict[str, float]] = []
         loss_parts: list[tuple[dict[str, float], dict[str, float]]] = []
         selection_parts: list[tuple[dict[str, float], dict[str, float]]] = []
-        for chunk in chunks:
-            metrics, parts, selection = self._update_minibatch(batch.select(chunk), advantages[chunk])
+        # The micro-batch splits up front: the progress lines' totals (issue 43 item 7); only rank 0 prints.
+        minis = [batch.select(chunk) for chunk in chunks]
+        micros = [self.micro_batches(mini) for mini in minis]
+        real = (batch.prompt_mask.sum(dim=1) + batch.response_mask.sum(dim=1)).tolist()
+        progress = UpdateProgress(sum(len(m) for m in micros), sum(real[i] for c in chunks for i in c),
+                                  self.log if self.dp.rank == 0 else (lambda line: None), self.progress_every_s)
+        for chunk, mini, micro in zip(chunks, minis, micros):
+            metrics, parts, selection = self._update_minibatch(mini, advantages[chunk], micro, progress)
             per_step.append(metrics)
             loss_parts.extend(parts)
             if selection is not None:
@@ -369,14 +577,15 @@ class Actor:
         torch.distributed.all_gather_object(gathered, parts, group=self.dp.group)
         return [part for rank_parts in gathered for part in rank_parts]
 
-    def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor
+    def _update_minibatch(self, mini: RolloutBatch, adv: torch.Tensor, micro: Optional[list[list[int]]] = None,
+                          progress: Optional[UpdateProgress] = None
                           ) -> tuple[dict[str, float], list[tuple[dict[str, float], dict[str, float]]],
                                      Optional[tuple[dict[str, float], dict[str, float]]]]:
         """One optimizer step on a mini-batch: (its step metrics, the loss's per-micro-batch (counts, metrics)
         parts, and the planner's selection metrics of the whole mini-batch as one (counts, metrics) part, or None),
         which :meth:`update` reduces over the whole step by the loss's declared rules."""
         adv = adv[:, :mini.response_ids.shape[1]]
-        micro = self.micro_batches(mini)
+        micro = self.micro_batches(mini) if micro is None else micro
         # Rollout correction, once over the mini-batch (per token or per row: the split cannot change it). Rejected
         # tokens leave the loss mask (and the denominators counted from it); the forward still sees every token.
         is_weights, loss_mask, correction_metrics = apply_correction(mini.behavior_logp, mini.engine_logp,
@@ -395,7 +604,7 @@ class Actor:
             # m2_scope=dp_group, every rank), or FIPO's drops decided on the whole mini-batch (rows never span
             # micro-batches) with the step's denominators counting only the kept tokens and rows of all ranks. So
             # splitting the mini-batch into micro-batches or ranks cannot change the update.
-            current = self.compute_logp(mini)
+            current = self.compute_logp(mini, progress)
             plan = plan_optimizer_batch(self.cfg.loss, [MicroBatch(mini.behavior_logp, current, adv, loss_mask)],
                                         cfg, group=self._plan_group())
             extra_full = plan.extras[0]
@@ -435,6 +644,8 @@ class Actor:
                 max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
                 if bool(mb_mask.any()):
                     max_log_ratio = max(max_log_ratio, float(d[mb_mask].max()))
+            if progress is not None:
+                progress.done(int(mb.prompt_mask.sum()) + int(mb.response_mask.sum()))
         for _ in range(self._missing_passes(len(micro))):  # sharded: join the busiest rank's collectives
             fsdp.dummy_forward(self.model, self.device, self.compute_dtype).backward()
         if self.dp.size > 1:
@@ -459,6 +670,9 @@ class Actor:
         out["actor/loss"] = loss_sum
         out["actor/grad_norm"] = grad_norm
         out["actor/lr"] = lr_used
+        # Logged for every loss, not only M2PO: a loss-independent staleness diagnostic, the second moment of
+        # log(pi_theta / pi_behav) over all valid tokens, where M2PO bounds it only inside its trust-region
+        # quadrants; so runs of different losses compare on the same measure of how off-policy their data was.
         out["actor/m2_all_tokens"] = sq_sum / max(1.0, n_tokens)
         out["actor/log_ratio_abs_max"] = max_abs
         out["actor/ratio_max"] = math.exp(min(max_log_ratio, 700.0)) if max_log_ratio > -math.inf else 1.0
@@ -500,19 +714,25 @@ class Actor:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(fsdp.optimizer_state_by_index(self.model, state["optimizer"]))
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            _keep_implementation(self.optimizer)
+            _keep_implementation(self.optimizer, self._adamw_implementation)
             return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        _keep_implementation(self.optimizer)
+        _keep_implementation(self.optimizer, self._adamw_implementation)
 
 
-def _keep_implementation(optimizer: torch.optim.Optimizer) -> None:
-    """``Optimizer.load_state_dict`` restores the saved param groups whole, ``foreach`` included: a checkpoint from
-    before foreach=True (``None`` there, the per-parameter loop on CPU) would quietly bring the slow path back.
-    The implementation is this build's choice, not part of the saved state (both give the same update)."""
+def _adamw_kernel(implementation: str) -> dict[str, Optional[bool]]:
+    """AdamW's ``foreach`` / ``fused`` flags for actor.optimizer.implementation."""
+    return {"foreach": None, "fused": True} if implementation == "fused" else {"foreach": True, "fused": None}
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, implementation: str = "foreach") -> None:
+    """``Optimizer.load_state_dict`` restores the saved param groups whole, ``foreach`` and ``fused`` included: a
+    checkpoint from before foreach=True (``None`` there, the per-parameter loop on CPU), or from a run with the
+    other actor.optimizer.implementation, would quietly bring that kernel back. The kernel is this run's choice,
+    not part of the saved state (the state tensors are the same for all three)."""
     if isinstance(optimizer, torch.optim.AdamW):
         for group in optimizer.param_groups:
-            group["foreach"] = True
+            group.update(_adamw_kernel(implementation))
 
