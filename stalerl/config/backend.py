@@ -2,7 +2,7 @@
 
 import difflib
 import re
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from stalerl.config.errors import ConfigError
 
@@ -95,3 +95,16 @@ def parse_backend(s: str, *, engines: Optional[tuple] = None, key: str = "backen
     if "d" not in sizes:
         raise fail("the data-parallel size 'd<X>' is required")
     return Backend(engine, sizes["d"], sizes.get("t", 1), sizes.get("p", 1))
+
+
+def is_async(cfg: Any) -> bool:
+    """Whether the run uses separate rollout and train workers (see rollout.mode). Here, beside the backend strings it
+    reads, so that the config rules and ``stalerl.config.share_gpu`` both import it without a cycle."""
+    ro = cfg.rollout
+    if ro.mode != "auto":
+        return ro.mode == "async"
+    if ro.fixed_staleness > 0:
+        return False
+    rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
+    ab = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
+    return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1

@@ -7,7 +7,8 @@ import re
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
-from stalerl.config.backend import _GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, parse_backend
+from stalerl.config.backend import (_GPU_ROLLOUT_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, is_async,  # noqa: F401
+                                    parse_backend)
 from stalerl.config.checks import _format_problems, _type_hints, _unwrap_optional, _walk_sections
 from stalerl.config.errors import ConfigError, ConfigWarning
 
@@ -49,18 +50,6 @@ def validate(cfg: ExperimentTree) -> ExperimentTree:
     for msg in _cross_field_warnings(cfg):
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return cfg
-
-
-def is_async(cfg: ExperimentTree) -> bool:
-    """Whether the run uses separate rollout and train workers (see rollout.mode)."""
-    ro = cfg.rollout
-    if ro.mode != "auto":
-        return ro.mode == "async"
-    if ro.fixed_staleness > 0:
-        return False
-    rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")
-    ab = parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend")
-    return ro.max_head_offpolicyness > 0 or rb.dp > 1 or ab.dp > 1
 
 
 AUTO_ENGINE = "auto"
@@ -238,7 +227,7 @@ def _cross_field_problems(cfg: ExperimentTree) -> List[Tuple[str, str]]:
     if rb.engine == "vllm":
         out += _vllm_problems(cfg, rb, total)
     out += _truncated_sampling_problems(cfg)
-    from stalerl.config.share_gpu import share_gpu_problems  # torch-free; it imports is_async from here lazily
+    from stalerl.config.share_gpu import share_gpu_problems  # torch-free
 
     out += share_gpu_problems(cfg)
     if actor.dtype == "float16":

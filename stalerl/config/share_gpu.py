@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from stalerl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+from stalerl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, is_async, parse_backend
 
 # What the processes of one device may use together at most, as a fraction of its memory, when both fractions are
 # given: the CUDA contexts and the allocators' fragmentation live outside the per-process caps.
@@ -21,8 +21,6 @@ def share_gpu_problems(cfg: Any) -> List[Tuple[str, str]]:
     """Problems of ``cluster.share_gpu=true`` with the rest of ``cfg`` (an ExperimentConfig); [] when it is off."""
     if not cfg.cluster.share_gpu:
         return []
-    from stalerl.config.rules import is_async
-
     out: List[Tuple[str, str]] = []
     ro = cfg.rollout
     rb = parse_backend(ro.backend, engines=ROLLOUT_ENGINES, key="rollout.backend")

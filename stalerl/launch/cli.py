@@ -22,7 +22,7 @@ from typing import Optional
 from stalerl.config import ConfigError, ExperimentConfig, format_help, is_async, load_config, parse_args, run_dir
 from stalerl.launch.config_lookup import resolve_config_path
 from stalerl.core.errors import EXIT_USER_ERROR, UserError
-from stalerl.core.launch_env import LAUNCH_TIME_ENV
+from stalerl.core.launch_env import LAUNCH_TIME_ENV, MALLOC_MMAP_THRESHOLD_ENV, configure_allocator, parse_mmap_threshold
 from stalerl.launch.launcher import launch
 from stalerl.results.sweep import expand, is_sweep, summarize_run, sweep_axes, write_summary
 
@@ -100,6 +100,13 @@ def _main(argv: list[str], *, debug: bool = False) -> int:
             print(f"stalerl: config {config_path} -> {found}", file=sys.stderr, flush=True)
         config_path = found
     dry_run = bool(flags.get("dry_run"))
+    if os.environ.get(MALLOC_MMAP_THRESHOLD_ENV):  # an opt-in allocator rule (stalerl.core.launch_env): less RSS, slower
+        try:
+            parse_mmap_threshold(os.environ[MALLOC_MMAP_THRESHOLD_ENV])
+        except ValueError as exc:  # checked before any work, one line
+            raise UserError(str(exc)) from exc
+        if not dry_run:  # before torch is imported; sweep tasks and workers inherit it
+            print(f"stalerl: {configure_allocator()}", file=sys.stderr, flush=True)
     if is_sweep(overrides):
         return run_sweep(config_path, overrides, dry_run=dry_run, debug=debug)
     cfg = load_config([*_config_args(config_path), *overrides])

@@ -565,46 +565,16 @@ def default_max_num_seqs(cfg: Any) -> int:
     return max(1, int(groups) * cfg.gconfig.n_samples)
 
 
-def longest_prompt_tokens(cfg: Any, tokenizer, format_prompt: Callable[[str], str],
-                          log: Callable[[str], None] = print) -> Optional[int]:
-    """The longest formatted prompt of the run's train and valid data, in the tokens generate() sends to vLLM (the
-    formatter's text, no special tokens added), or None when the data cannot be read here (a rollout worker on a
-    node without the data: the prompt cap or the model's length then bounds the prompt). The whole splits, before
-    the trainer drops prompts over train_dataset.max_length or keeps evaluator.n_prompts: an upper bound of what any
-    request can hold (planned_seq_len takes the smaller of it and the cap)."""
-    from stalerl.data import load_examples
-
-    longest = 0
-    for key in ("train_dataset", "valid_dataset"):
-        ds = getattr(cfg, key)
-        try:
-            examples = load_examples(ds.path, ds.split, synthetic_task=ds.synthetic.task,
-                                     max_operand=ds.synthetic.max_operand, train_size=ds.synthetic.train_size,
-                                     test_size=ds.synthetic.test_size, seed=ds.synthetic.seed,
-                                     question_style=ds.synthetic.question_style, holdout=ds.synthetic.holdout)
-        except (FileNotFoundError, ValueError) as exc:
-            log(f"vLLM max_model_len: {key}.path={ds.path!r} not readable here ({exc}); the prompt cap or the "
-                "model's length bounds the prompt instead")
-            return None
-        texts = [format_prompt(q) for q in sorted({e.question for e in examples})]
-        if texts:
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            longest = max(longest, max(len(x) for x in ids))
-    return longest or None
-
-
 def build_vllm_engine(cfg: Any, model: torch.nn.Module, tokenizer, format_prompt, reward_fn, *, work_dir: Path,
                       track_source: bool, longest_prompt: Optional[int] = None) -> VLLMRolloutEngine:
     """The engine for a run's config (the synchronous loop passes its training module with track_source=True).
 
     rollout.vllm.max_model_len=null plans the run's own length (vllm_memory.planned_seq_len): ``longest_prompt``
-    (the caller's measure of its loaded data, else measured here by :func:`longest_prompt_tokens`) + the longest
-    completion, in whole KV blocks."""
+    (the caller's measure of its data: ``stalerl.training.prompt_lengths.longest_prompt_tokens``; None = unknown,
+    then the prompt cap or the model's length bounds it) + the longest completion, in whole KV blocks."""
     from stalerl.rollout.vllm_memory import planned_seq_len
 
     model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 15
-    if longest_prompt is None:
-        longest_prompt = longest_prompt_tokens(cfg, tokenizer, format_prompt)
     planned = planned_seq_len(cfg, model_len, longest_prompt)
     if cfg.rollout.vllm.max_model_len is None:
         new = max(cfg.gconfig.max_new_tokens, cfg.eval_gconfig.max_new_tokens)

@@ -56,6 +56,24 @@ class TrainingDiverged(UserError):
         self.step = step
 
 
+def divergence_reason(exc: BaseException) -> Optional[str]:
+    """One line saying why the run diverged, when ``exc`` says it did, else None: the loss refused non-finite
+    log-probs or advantages on valid tokens (``recipe.common.NonFiniteLogProbError``), in this process or in a train
+    worker's (whose ``WorkerFailure`` carries the exception's type name: a train rank's divergence reaches rank 0 as
+    a collective error first). Classified by the exception's type, never by its message."""
+    from recipe.common import NonFiniteLogProbError
+    from stalerl.training.workers.process import WorkerFailure
+
+    if isinstance(exc, NonFiniteLogProbError):
+        return str(exc).splitlines()[0][:300]
+    kind = getattr(exc, "exc_type", None)  # the worker's exception class name (stalerl.training.workers.process)
+    if isinstance(exc, WorkerFailure) and kind == NonFiniteLogProbError.__name__:
+        first = str(exc.message).splitlines()[0] if exc.message else ""
+        text = first.split(": ", 1)[1] if first.startswith(f"{kind}: ") else first
+        return f"{exc.role}: {text}"[:300]
+    return None
+
+
 def nonfinite(metrics: dict[str, Any], keys=DIVERGENCE_KEYS) -> list[str]:
     """``key=value`` for each of ``keys`` that is present and not finite."""
     out = []
@@ -142,7 +160,8 @@ class Trainer:
                                        max_steps=cfg.total_train_steps)
         self.actor = Actor(self.model, cfg.actor, temperature=cfg.gconfig.temperature,
                            total_updates=self.total_steps * cfg.actor.ppo_n_minibatches,
-                           loss_scale_factor=cfg.gconfig.max_new_tokens, correction=correction_params(cfg))
+                           loss_scale_factor=cfg.gconfig.max_new_tokens, correction=correction_params(cfg),
+                           log=self.log)  # update progress lines (issue 43 item 7)
         if not self.actor.chunked_logprobs:  # once, at start (stalerl.core.chunked_logprob.chunked_logprob_check)
             self.log(f"stalerl: log-probs use the plain logits path, not the chunked head: "
                      f"{self.actor.chunked_logprobs_reason} (each update records actor/chunked_logprobs=0)")
@@ -167,8 +186,11 @@ class Trainer:
         if self.engine_name == "vllm" and in_process:
             from stalerl.rollout.vllm_engine import build_vllm_engine
 
+            from stalerl.training.prompt_lengths import longest_prompt_tokens
+
+            longest = longest_prompt_tokens(self.cfg, self.tokenizer, self.formatter.format, log=self.log)
             return build_vllm_engine(self.cfg, self.model, self.tokenizer, self.formatter.format, gsm8k_reward,
-                                     work_dir=self.run_dir / "vllm" / "sync", track_source=True)
+                                     work_dir=self.run_dir / "vllm" / "sync", track_source=True, longest_prompt=longest)
         return HFRolloutEngine(self.model, self.tokenizer, self.formatter.format, gsm8k_reward, device=self.device,
                                compute_dtype=self.cfg.actor.dtype, log=self.log)  # its progress lines: the run's log
 
@@ -281,8 +303,15 @@ class Trainer:
             self.source.start()  # worker processes, if the source has any: before recovery and warm start
             return self._train()
         except BaseException as exc:
-            cause = self.source.failure_cause(exc)
+            # A divergence found here is the run's outcome: no worker failure (a rank that followed it down) replaces it
+            cause = None if isinstance(exc, TrainingDiverged) else self.source.failure_cause(exc)
             if cause is not None:
+                reason = divergence_reason(cause)
+                if reason is not None:  # a train worker's loss refused non-finite values: the run diverged
+                    logger = getattr(self, "metrics_logger", None)
+                    if logger is not None:
+                        logger.close()
+                    raise TrainingDiverged(self.step + 1, reason) from cause
                 raise cause from exc
             raise
         finally:
@@ -348,11 +377,12 @@ class Trainer:
         cfg = self.cfg
         try:
             last = self.train_step()
-        except ValueError as exc:  # the loss refuses non-finite log-probs on valid tokens (recipe.common)
-            if "non-finite" not in str(exc):
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is a divergence (by its type)
+            reason = divergence_reason(exc)
+            if reason is None:
                 raise
             logger.close()
-            raise TrainingDiverged(self.step + 1, str(exc).splitlines()[0][:300]) from exc
+            raise TrainingDiverged(self.step + 1, reason) from exc
         bad = nonfinite(last)
         if bad:  # logged (the curves end here), never evaluated or checkpointed
             logger.log(self.step, last)

@@ -54,9 +54,12 @@ def _engines(cfg, model, tok, work_dir):
     from stalerl.core.reward import gsm8k_reward
     from stalerl.rollout.engine import HFRolloutEngine
     from stalerl.rollout.vllm_engine import build_vllm_engine
+    from stalerl.training.prompt_lengths import longest_prompt_tokens
 
     fmt = PromptFormatter.from_config(tok, cfg).format
-    vllm = build_vllm_engine(cfg, model, tok, fmt, gsm8k_reward, work_dir=work_dir, track_source=False)
+    # what the trainer and the rollout workers pass: the run's data measured in the engine's tokens
+    vllm = build_vllm_engine(cfg, model, tok, fmt, gsm8k_reward, work_dir=work_dir, track_source=False,
+                             longest_prompt=longest_prompt_tokens(cfg, tok, fmt))
     vllm.load_weights(model.state_dict(), version=0)
     hf = HFRolloutEngine(model, tok, fmt, gsm8k_reward)
     assert hf.stop_ids == vllm.stop_ids

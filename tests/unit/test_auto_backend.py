@@ -106,7 +106,7 @@ def test_planned_length_equals_the_literal_reference_on_random_settings():
 def test_longest_prompt_is_the_literal_maximum_over_both_splits_in_generates_tokens():
     from stalerl.core.model import PromptFormatter, load_policy_from_config
     from stalerl.data import load_examples
-    from stalerl.rollout.vllm_engine import longest_prompt_tokens
+    from stalerl.training.prompt_lengths import longest_prompt_tokens
 
     cfg = load_config(["--config", str(REPO / "examples" / "math" / "gsm8k_m2po_cpu.yaml"),
                        "train_dataset.synthetic.train_size=300", "valid_dataset.synthetic.test_size=64",
@@ -126,7 +126,7 @@ def test_longest_prompt_is_the_literal_maximum_over_both_splits_in_generates_tok
 
 def test_unreadable_data_leaves_the_prompt_unmeasured_and_says_so(tmp_path):
     from stalerl.core.model import PromptFormatter, load_policy_from_config
-    from stalerl.rollout.vllm_engine import longest_prompt_tokens
+    from stalerl.training.prompt_lengths import longest_prompt_tokens
 
     cfg = load_config(["--config", str(REPO / "examples" / "math" / "gsm8k_m2po_cpu.yaml"),
                        f"valid_dataset.path={tmp_path / 'missing'}"])
@@ -138,7 +138,7 @@ def test_unreadable_data_leaves_the_prompt_unmeasured_and_says_so(tmp_path):
 
 def test_real_model_config_plans_its_prompts_plus_16_new_tokens_not_8192(real_model_dir):
     from stalerl.core.model import PromptFormatter, load_policy_from_config
-    from stalerl.rollout.vllm_engine import longest_prompt_tokens
+    from stalerl.training.prompt_lengths import longest_prompt_tokens
     from stalerl.rollout.vllm_memory import planned_seq_len
 
     cfg = load_config(["--config", str(REAL_CONFIGS[0]), f"actor.path={real_model_dir}"])

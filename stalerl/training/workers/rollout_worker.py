@@ -60,8 +60,11 @@ class RolloutWorker:
             # Started from this process's initial weights (the architecture); the controller's weights arrive
             # through load_weights before any task, so nothing is generated with these.
             fmt = PromptFormatter.from_config(tokenizer, cfg).format
+            from stalerl.training.prompt_lengths import longest_prompt_tokens
+
             self.engine = build_vllm_engine(cfg, model, tokenizer, fmt, gsm8k_reward,
-                                            work_dir=run_dir(cfg) / "vllm" / f"rollout-{index}", track_source=False)
+                                            work_dir=run_dir(cfg) / "vllm" / f"rollout-{index}", track_source=False,
+                                            longest_prompt=longest_prompt_tokens(cfg, tokenizer, fmt))
         else:
             fmt = PromptFormatter.from_config(tokenizer, cfg).format
             self.engine = HFRolloutEngine(model, tokenizer, fmt, gsm8k_reward, version=-1, compute_dtype=cfg.actor.dtype)
