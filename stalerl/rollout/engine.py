@@ -227,7 +227,7 @@ class HFRolloutEngine:
             # At most max_steps - step more steps at the rate so far: an upper bound, rows usually end earlier.
             eta = (p.max_steps - p.step) * p.elapsed_s / max(p.step, 1)
             self.log(f"generation: {p.rows_done}/{rows} rows done, step {p.step}/{p.max_steps}, {p.tokens} tokens "
-                     f"at {rate:.1f} tokens/s, {elapsed:.0f} s so far, ETA <= {_format_seconds(eta)}")
+                     f"at {rate:.1f} tokens/s, {elapsed:.0f} s so far, ETA <= {format_duration(eta)}")
 
         result = static_decode(self.model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
                                stop_ids=self.stop_ids, pad_id=self.pad_id, greedy=greedy, temperature=temperature,
@@ -265,7 +265,8 @@ class HFRolloutEngine:
         return response_ids, recorder.finish(out.sequences, response_ids.shape[1])
 
 
-def _format_seconds(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """'45 s', '3 min 05 s', '2 h 07 min': the ETA of a progress line (generation here, the actor's update)."""
     seconds = max(0, int(round(seconds)))
     if seconds < 60:
         return f"{seconds} s"

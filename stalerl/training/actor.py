@@ -25,6 +25,7 @@ from recipe.rollout_correction import CorrectionParams, apply_correction
 from stalerl.core.chunked_logprob import chunked_logprob_check, default_chunk_elements, head_returns_token_logprobs
 from stalerl.core.model import autocast_context, disable_dropout, parse_dtype
 from stalerl.rollout.batch import RolloutBatch, pack_rows, position_ids_from_mask
+from stalerl.rollout.engine import format_duration
 from stalerl.training import fsdp
 
 # An update (one step's optimizer steps) that has run this long prints a progress line, then one per this many
@@ -35,15 +36,6 @@ UPDATE_PROGRESS_EVERY_S = 30.0
 def _print_line(line: str) -> None:
     """The default progress log: stdout, flushed (a train worker's stdout is a pipe, block-buffered otherwise)."""
     print(line, flush=True)
-
-
-def _format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 class UpdateProgress:
@@ -78,7 +70,7 @@ class UpdateProgress:
         eta = (self.total_tokens - self.tokens) / rate if rate > 0 else math.inf
         self.log(f"update: {self.micro_batches}/{self.total_micro_batches} micro-batches done, {self.tokens}/"
                  f"{self.total_tokens} tokens at {rate:.1f} tokens/s, {elapsed:.0f} s so far, ETA ~"
-                 f"{_format_duration(eta) if math.isfinite(eta) else 'unknown'}")
+                 f"{format_duration(eta) if math.isfinite(eta) else 'unknown'}")
         self.next_line = now + self.every_s
 
 
