@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any, Iterable, Mapping, Optional, Sequence
 
 from stalerl.core.io import PathLike, append_jsonl, atomic_write_text, to_jsonable
 
@@ -303,6 +303,18 @@ def _fmt(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     return None  # lists/dicts do not fit on one line
+
+
+#: The last segment of a loss's own headline fractions, ``actor/<loss>/<fraction>``: M2PO's masked share, a clip's
+#: clipped share, whatever loss logs one (the runtime names no loss).
+LOSS_FRACTIONS = ("masked_fraction", "clip_fraction")
+
+
+def loss_fraction_keys(keys: Iterable[str], fraction: Optional[str] = None) -> list[str]:
+    """The ``actor/<loss>/<fraction>`` keys among ``keys`` (``fraction`` one of :data:`LOSS_FRACTIONS`, None: both),
+    sorted; ``actor/m2po/would_clip_fraction`` and per-quadrant keys are not headline fractions."""
+    wanted = LOSS_FRACTIONS if fraction is None else (fraction,)
+    return sorted(k for k in keys if k.startswith("actor/") and k.count("/") == 2 and k.rsplit("/", 1)[1] in wanted)
 
 
 def format_summary(step: int, metrics: Mapping[str, Any], keys: Sequence[str], *, total: int | None = None) -> str:

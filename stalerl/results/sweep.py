@@ -103,7 +103,7 @@ SUMMARY_COLUMNS = ("trial", "status", "steps", "final_eval_accuracy", "final_rew
 
 def summarize_run(run_dir: Path, status: str = "ok", tail_fraction: float = 0.1) -> dict[str, Any]:
     """One summary row: final rewards = means over the last ``tail_fraction`` of steps (at least one)."""
-    from stalerl.results.metrics_log import read_metrics
+    from stalerl.results.metrics_log import loss_fraction_keys, read_metrics
 
     row: dict[str, Any] = {c: None for c in SUMMARY_COLUMNS}
     row["trial"] = run_dir.name
@@ -121,6 +121,7 @@ def summarize_run(run_dir: Path, status: str = "ok", tail_fraction: float = 0.1)
         return sum(vals) / len(vals) if vals else None
 
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    tail_keys = {k for r in tail for k in r}
     row.update({
         "steps": rows[-1]["step"],
         "final_eval_accuracy": evals[-1] if evals else None,
@@ -128,8 +129,9 @@ def summarize_run(run_dir: Path, status: str = "ok", tail_fraction: float = 0.1)
         "final_reward_consumed": mean("reward/consumed") if mean("reward/consumed") is not None else mean("reward"),
         "staleness_avg": sum(r.get("staleness/avg", 0.0) for r in rows) / len(rows),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
-        "masked_fraction": mean("actor/m2po/masked_fraction"),
-        "clip_fraction": mean("actor/vanilla/clip_fraction"),
+        # the loss's own headline fractions, whichever loss logged them (the runtime names no loss)
+        "masked_fraction": next((mean(k) for k in loss_fraction_keys(tail_keys, "masked_fraction")), None),
+        "clip_fraction": next((mean(k) for k in loss_fraction_keys(tail_keys, "clip_fraction")), None),
         "seconds": sum(r.get("timing/step_s", 0.0) for r in rows),
     })
     return row

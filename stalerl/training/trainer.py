@@ -26,7 +26,7 @@ from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
 from stalerl.data import PromptDataset, load_examples
 from stalerl.data.fit import check_data_fits
-from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary
+from stalerl.results.metrics_log import MetricsLogger, Progress, format_summary, loss_fraction_keys
 from stalerl.results.tracking import open_metrics_logger
 from stalerl.core.model import PromptFormatter, load_policy_from_config, resolve_device
 from stalerl.core.reward import gsm8k_reward
@@ -82,8 +82,9 @@ def nonfinite(metrics: dict[str, Any], keys=DIVERGENCE_KEYS) -> list[str]:
         if isinstance(v, float) and not np.isfinite(v):
             out.append(f"{k}={v}")
     return out
-SUMMARY_KEYS = ("reward", "eval/accuracy", "eval/accuracy_subset", "actor/loss", "actor/grad_norm", "staleness/avg",
-                "actor/m2po/masked_fraction", "actor/vanilla/clip_fraction", "timing/step_s")
+# the step's log line; the loss's own headline fraction (actor/<loss>/masked_fraction or clip_fraction, whichever loss
+# runs: metrics_log.loss_fraction_keys) goes before the step time
+SUMMARY_KEYS = ("reward", "eval/accuracy", "eval/accuracy_subset", "actor/loss", "actor/grad_norm", "staleness/avg")
 
 
 def seed_everything(seed: int) -> None:
@@ -402,7 +403,7 @@ class Trainer:
         self.source.log_finished_evaluations(logger, wait=False)
         progress.update(step, last)
         if cfg.stats_logger.log_every and step % cfg.stats_logger.log_every == 0:
-            self.log(format_summary(step, last, SUMMARY_KEYS))
+            self.log(format_summary(step, last, (*SUMMARY_KEYS, *loss_fraction_keys(last), "timing/step_s")))
         saved = self.checkpoint_due(step)
         if saved:
             self.save_checkpoint()

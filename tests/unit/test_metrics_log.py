@@ -201,3 +201,24 @@ def test_plain_progress_counts_from_the_resumed_step_and_matches_a_literal_sched
     quiet = io.StringIO()
     Progress(100, enabled=False, file=quiet).update(100, {"reward": 1.0})
     assert quiet.getvalue() == ""
+
+
+def test_loss_fraction_keys_find_any_losss_headline_fraction_and_nothing_else():
+    from stalerl.results.metrics_log import loss_fraction_keys
+
+    keys = {"actor/m2po/masked_fraction", "actor/m2po/would_clip_fraction", "actor/m2po/masked_fraction_pos_r_gt_1",
+            "actor/my_plugin/clip_fraction", "actor/loss", "m2po/masked_fraction", "actor/a/b/clip_fraction"}
+    assert loss_fraction_keys(keys) == ["actor/m2po/masked_fraction", "actor/my_plugin/clip_fraction"]
+    assert loss_fraction_keys(keys, "clip_fraction") == ["actor/my_plugin/clip_fraction"]
+    assert loss_fraction_keys({"actor/loss"}) == []
+
+
+def test_a_sweep_row_reads_the_fraction_of_a_loss_the_runtime_does_not_know(tmp_path):
+    import json
+
+    from stalerl.results.sweep import summarize_run
+
+    rows = [{"step": s, "actor/my_plugin/clip_fraction": 0.1 * s, "actor/loss": 1.0} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = summarize_run(tmp_path, "finished", tail_fraction=0.5)
+    assert row["clip_fraction"] == pytest.approx((0.3 + 0.4) / 2) and row["masked_fraction"] is None
