@@ -76,6 +76,9 @@ from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # the bench scripts' shared helpers
+
+from rollout_memory import _status_kib  # noqa: E402  /proc/self/status fields in KiB
 
 MIB = 2**20
 VARIANTS = ("baseline", "arena2", "mmap", "trim", "launch_env")
@@ -83,14 +86,6 @@ VARIANT_ENV = {"arena2": {"MALLOC_ARENA_MAX": "2"}, "mmap": {"MALLOC_MMAP_THRESH
 
 
 # ----------------------------------------------------------------------------------------------- process memory
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
