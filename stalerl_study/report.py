@@ -357,7 +357,7 @@ def render_markdown(cells: Sequence[Cell], *, study: str, title: Optional[str] =
         from stalerl_study.claims import render_claims
 
         lines += ["", *render_claims(cells, claims)]
-    if pilot is not None:  # the pilot's decision rule (stalerl_study.pilot), on no trust region and on-policy only
+    if pilot is not None:  # the pilot's decision rule (stalerl_study.pilot), on the stale loss and on-policy runs only
         from stalerl_study.pilot import render_pilot
 
         lines += ["", "Pilot decision (rule fixed in the spec before the runs; only the stale loss and the on-policy "

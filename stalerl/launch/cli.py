@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Optional
 
-from stalerl.config import ConfigError, ExperimentConfig, format_help, is_async, load_config, parse_args, run_dir
+from stalerl.config import ConfigError, ExperimentConfig, format_help, load_config, parse_args, run_dir
 from stalerl.launch.config_lookup import resolve_config_path
 from stalerl.core.errors import EXIT_USER_ERROR, UserError
 from stalerl.core.launch_env import LAUNCH_TIME_ENV, MALLOC_MMAP_THRESHOLD_ENV, configure_allocator, parse_mmap_threshold
@@ -215,13 +215,9 @@ def run_sweep_on(kind: str, config_path, runs, configs) -> tuple[list[str], Opti
 
 def run_cpus(cfg: ExperimentConfig) -> float:
     """CPUs one run occupies: torch_threads per process (the controller plus its worker processes)."""
-    from stalerl.config import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_backend
+    from stalerl.config.placement import compute_processes
 
-    processes = 1
-    if is_async(cfg):
-        processes = (parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES).dp
-                     + parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES).dp)
-    return float(cfg.torch_threads * processes)
+    return float(cfg.torch_threads * sum(compute_processes(cfg).values()))
 
 
 def _run_sweep_on_ray(config_path, runs, configs) -> tuple[list[str], Optional[int]]:

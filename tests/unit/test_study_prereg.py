@@ -114,3 +114,44 @@ def test_stalerl_study_pilot_prints_the_decision(tmp_path, capsys):
     assert "| lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64 | 2/2 | 2/2 | 0/2 | yes |" in out
     assert "Chosen regime: lr=0.001, gradient_clipping=1.0 @ fixed_staleness 64" in out
     assert main(["pilot", str(tmp_path), "--spec", str(STUDY / "chain_staleness.yaml")]) == 2  # no pilot rule
+
+
+def test_degrade_pilot_picks_the_smallest_staleness_where_clip_falls_behind_a_task_that_keeps_learning():
+    """The ``degrade`` kind (issue 47): on-policy must start in the step-0 range and keep learning past
+    ``learns_until``; clip at S must trail it by ``degrade`` on average and in every seed; M2PO is never read."""
+    from stalerl_study.pilot import decide, render_pilot
+
+    steps = range(0, 101, 10)
+    pilot = {"kind": "degrade", "stale_loss": "vanilla", "on_policy": "fixed_staleness 0", "step0": [0.05, 0.4],
+             "prosper": 0.05, "learns_until": 60, "degrade": 0.05}
+
+    def grid(on_curve, s16_drop, s32_drop):
+        runs = []
+        for seed in (1, 2, 3):
+            on = [(s, v + 0.01 * seed) for s, v in on_curve]
+            runs += [_run("vanilla", "vanilla", "fixed_staleness 0", seed, on),
+                     _run("vanilla", "vanilla", "fixed_staleness 16", seed, [(s, v - s16_drop * s / 100) for s, v in on]),
+                     _run("vanilla", "vanilla", "fixed_staleness 32", seed, [(s, v - s32_drop * s / 100) for s, v in on]),
+                     _run("m2po", "m2po", "fixed_staleness 16", seed, [(s, 0.0) for s, _ in on])]
+        return group(runs, method_keys=["method"])
+
+    rising = [(s, 0.2 + s / 400) for s in steps]  # best at the last step (100)
+    rows, chosen = decide(grid(rising, 0.02, 0.2), pilot, CollapseRule())
+    assert [r[0] for r in rows] == ["default @ fixed_staleness 16", "default @ fixed_staleness 32"]
+    assert rows[0][1:3] == ["3/3", "3/3"] and rows[0][-1] == "no"  # trails by 0.018: under the 0.05 margin
+    assert rows[1][3] == "+0.180" and rows[1][4] == "3/3" and rows[1][-1] == "yes"
+    assert chosen == "default @ fixed_staleness 32"
+    assert decide(grid(rising, 0.1, 0.2), pilot, CollapseRule())[1] == "default @ fixed_staleness 16"  # the smaller S
+    plateau = [(s, min(0.2 + s / 100, 0.5)) for s in steps]  # best first reached at step 30: stopped learning
+    rows, chosen = decide(grid(plateau, 0.2, 0.2), pilot, CollapseRule())
+    assert chosen is None and rows[0][2] == "0/3"
+    too_easy = [(s, 0.6 + s / 1000) for s in steps]
+    rows, chosen = decide(grid(too_easy, 0.2, 0.2), pilot, CollapseRule())
+    assert chosen is None and rows[0][1] == "0/3"
+    md = render_pilot(grid(rising, 0.02, 0.03), pilot)
+    assert "No regime qualifies: a negative result (vanilla did not fall behind" in md
+    for bad, key in (({"kind": "sideways"}, "pilot.kind"), ({"kind": "degrade", "step0": [0.5, 0.1]}, "pilot.step0"),
+                     ({"kind": "degrade", "learns_until": -1}, "pilot.learns_until"),
+                     ({"kind": "degrade", "degrade": 2}, "pilot.degrade"), ({"step0": [0, 1]}, "step0")):
+        with pytest.raises(ValueError, match=key):
+            check_pilot(bad)

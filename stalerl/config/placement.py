@@ -1,0 +1,49 @@
+"""Where a run's compute threads go: one line a run logs at its start (issue 43 item 5).
+
+A synchronous run computes in one process; an asynchronous one in its rollout workers (``rollout.backend``'s dX) and
+train workers (``actor.backend``'s dY), its controller mostly waiting. Every compute process sets
+``torch.set_num_threads(torch_threads)``, so the run asks for processes x torch_threads threads. On a CPU run more
+threads than the machine's CPUs make the processes take turns on the same cores: on 2 cores, async d1+d1 at 2 threads
+each is 1.0x the synchronous loop, not its ideal (docs/algorithms/m2po.md, "Beside TRL at equal work"). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from stalerl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, is_async, parse_backend
+
+
+def compute_processes(cfg: Any) -> dict[str, int]:
+    """Role -> compute processes: ``{"trainer": 1}`` for a synchronous run, else ``{"rollout": X, "train": Y}``."""
+    if not is_async(cfg):
+        return {"trainer": 1}
+    return {"rollout": parse_backend(cfg.rollout.backend, engines=ROLLOUT_ENGINES, key="rollout.backend").dp,
+            "train": parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend").dp}
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a Slurm allocation or taskset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def placement_line(cfg: Any, cpus: Optional[int] = None) -> str:
+    """``stalerl: placement: ...``: each role's processes x threads, the total against the CPUs here, and, when that
+    total is larger, that the processes share cores and how many threads per process would not."""
+    cpus = available_cpus() if cpus is None else cpus
+    roles = compute_processes(cfg)
+    t = cfg.torch_threads
+    total = sum(roles.values()) * t
+    parts = ", ".join(f"{role} {n} process{'es' if n > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
+                      for role, n in roles.items())
+    line = f"stalerl: placement: {parts} (torch_threads={t}) = {total} threads on {cpus} CPUs"
+    if total > cpus:
+        fit = max(1, cpus // sum(roles.values()))
+        line += (f"; oversubscribed: the processes take turns on the same cores (torch_threads={fit} gives each "
+                 "process cores of its own" + ("" if fit * sum(roles.values()) <= cpus else ", not possible here:"
+                                               " more processes than CPUs") + ")")
+    return line
