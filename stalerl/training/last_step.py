@@ -75,7 +75,11 @@ def _to_cpu(obj: Any) -> Any:
 class LastStep:
     """The state of the last completed step that is not on disk yet (or nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy_actor: bool = True) -> None:
+        """``copy_actor`` False (``recover.last_step_copy=false``): no host copy of the actor; once the update
+        starts the kept step is dropped (the live actor no longer is that step's)."""
+        self.copy_actor = copy_actor
+        self.dropped_for_update = False  # the last kept step was dropped because the update started without a copy
         self.step: Optional[int] = None
         self._state: Optional[dict[str, Any]] = None
         self._actor: Any = None  # the host copy; its buffers outlive clear() and are reused by the next freeze()
@@ -90,14 +94,20 @@ class LastStep:
         if state.get("actor") is not LIVE:
             raise ValueError("LastStep.keep: the actor's state is copied by freeze(), just before it changes")
         self.step, self._state, self._frozen = int(step), state, False
+        self.dropped_for_update = False
 
     def clear(self) -> None:
         """The last completed step is on disk (or cannot be kept): nothing to hold."""
         self.step, self._state, self._frozen = None, None, False
+        self.dropped_for_update = False
 
     def freeze(self, actor_state: Callable[[], dict[str, Any]]) -> None:
         """The actor is about to change (the update starts): copy its state to host memory, once per kept step."""
         if self._state is not None and not self._frozen:
+            if not self.copy_actor:
+                self.clear()
+                self.dropped_for_update = True
+                return
             self._actor = host_copy(actor_state(), self._actor)
             self._frozen = True
 

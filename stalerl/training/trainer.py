@@ -172,7 +172,7 @@ class Trainer:
         self.step = 0  # optimizer steps taken = the trainer's weight version
         self.on_disk_step: Optional[int] = None  # the step of the newest checkpoint this trial has on disk
         self.last_saved_at = time.monotonic()  # recover.freq_minutes counts from here (the last checkpoint)
-        self.last_step = LastStep()  # the last completed step not on disk yet, saved if a stop cuts the next one
+        self.last_step = LastStep(copy_actor=cfg.recover.last_step_copy)  # saved if a stop cuts the next step
         self.warm_start_done = False
         self.eval_plan = EvalPlan(self.valid_examples, self.eval_subset, self.total_steps)
         self.probe = MismatchProbe(cfg.stats_logger, cfg.actor.behavior_logp)  # stats_logger.mismatch_freq_steps
@@ -452,6 +452,7 @@ class Trainer:
             if self.on_disk_step is not None and self.on_disk_step == self.boundary_step:
                 raise stop.saved(self.boundary_step, self.on_disk_step)  # on disk already: nothing was kept
             why = ("recover.mode=disabled" if self.cfg.recover.mode == "disabled" else
+                   "recover.last_step_copy=false: the update had started" if self.last_step.dropped_for_update else
                    "a sharded actor keeps no snapshot of its last step")
             raise interrupt.RunInterrupted(stop.signum, step=self.boundary_step, note=f"{stop.note} ({why})",
                                            abandoned=True)

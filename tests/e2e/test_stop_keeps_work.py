@@ -93,6 +93,18 @@ def test_a_stop_whose_step_outlasts_the_grace_saves_the_last_completed_step(tmp_
 
 
 @pytest.mark.slow
+def test_without_the_actor_copy_a_stop_cut_in_the_update_says_why_nothing_was_saved(tmp_path):
+    """recover.last_step_copy=false (the memory opt-out): the stop cut mid-update has no copy of the step before it,
+    so it keeps only the periodic checkpoints (none here) and its one line says so; the stop cut mid-generation is the
+    parametrized test above with the copy on (the live actor is still that step's either way)."""
+    args = [*_common(tmp_path), "trial_name=nocopy", "recover.last_step_copy=false"]
+    res = _stop_mid_step(args, tmp_path, "update")
+    assert_one_line(res, 143, "did not end within 1s (recover.last_step_copy=false: the update had started)",
+                    "without a final checkpoint")
+    assert not (tmp_path / "runs" / EXP / "nocopy" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
 def test_without_checkpoints_a_cut_step_says_nothing_was_saved(tmp_path):
     args = [*small_overrides(tmp_path, **{"total_train_steps": STEPS, "recover.mode": "disabled"}), "trial_name=off"]
     res = _stop_mid_step(args, tmp_path, "generation")

@@ -103,3 +103,20 @@ def test_nothing_is_kept_or_copied_once_the_step_is_on_disk():
         kept.state(actor.state_dict)
     with pytest.raises(ValueError):
         kept.keep(2, {"actor": actor.state_dict()})  # the actor is copied by freeze, never by keep
+
+
+def test_without_the_actor_copy_the_kept_step_is_dropped_when_the_update_starts():
+    """recover.last_step_copy=false: no host copy is ever made (the actor's state is never read at freeze); the kept
+    step holds until the update starts, then is dropped and says why."""
+    actor = _actor()
+    kept = LastStep(copy_actor=False)
+    kept.keep(1, {"actor": LIVE, "step": 1})
+    assert kept.held and _same(kept.state(actor.state_dict)["actor"], host_copy_reference(actor.state_dict()))
+
+    def never_read():
+        raise AssertionError("the actor's state was read for a copy")
+
+    kept.freeze(never_read)
+    assert not kept.held and kept.dropped_for_update and kept.step is None
+    kept.keep(2, {"actor": LIVE, "step": 2})  # the next step boundary keeps again
+    assert kept.held and not kept.dropped_for_update
