@@ -78,6 +78,16 @@ def _on_policy_runs(cells: Sequence[Any], on_setting: str) -> dict[str, list[Map
     return on
 
 
+def _stale_cells(cells: Sequence[Any], stale_loss: str, on_setting: str):
+    """(cell, its finished and diverged runs, its variant) of every stale setting's cell of ``stale_loss``: the
+    only cells a pilot's rule reads besides the on-policy ones."""
+    for c in cells:
+        runs = [*c.finished, *c.diverged]
+        if c.setting == on_setting or not runs or runs[0].get("loss") != stale_loss:
+            continue
+        yield c, runs, _variant(c.method, stale_loss)
+
+
 def decide(cells: Sequence[Any], pilot: Mapping[str, Any], rule: CollapseRule) -> tuple[list[list[str]], Optional[str]]:
     """(rows of the decision table, the chosen regime or None)."""
     if pilot.get("kind", "collapse") == "degrade":
@@ -87,11 +97,7 @@ def decide(cells: Sequence[Any], pilot: Mapping[str, Any], rule: CollapseRule) -
     margin = float(pilot.get("prosper", 0.05))
     on = _on_policy_runs(cells, on_setting)
     rows, chosen = [], None
-    for c in cells:
-        runs = [*c.finished, *c.diverged]
-        if c.setting == on_setting or not runs or runs[0].get("loss") != stale_loss:
-            continue
-        var = _variant(c.method, stale_loss)
+    for c, runs, var in _stale_cells(cells, stale_loss, on_setting):
         pros = [prospered(r, rule, margin) for r in runs]
         coll = [collapsed(r, rule) for r in runs]
         on_coll = [collapsed(r, rule) for r in on.get(var, [])]
@@ -129,11 +135,7 @@ def decide_degrade(cells: Sequence[Any], pilot: Mapping[str, Any],
     need = float(pilot.get("degrade", 0.05))
     on = _on_policy_runs(cells, on_setting)
     rows, chosen = [], None
-    for c in cells:
-        runs = [*c.finished, *c.diverged]
-        if c.setting == on_setting or not runs or runs[0].get("loss") != stale_loss:
-            continue
-        var = _variant(c.method, stale_loss)
+    for c, runs, var in _stale_cells(cells, stale_loss, on_setting):
         on_runs = on.get(var, [])
         step0 = [eval_curve(r)[0][1] for r in on_runs if eval_curve(r)]
         in_range = [lo <= v <= hi for v in step0]
