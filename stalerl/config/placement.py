@@ -3,8 +3,9 @@
 A synchronous run computes in one process; an asynchronous one in its rollout workers (``rollout.backend``'s dX) and
 train workers (``actor.backend``'s dY), its controller mostly waiting. Every compute process sets
 ``torch.set_num_threads(torch_threads)``, so the run asks for processes x torch_threads threads. On a CPU run more
-threads than the machine's CPUs make the processes take turns on the same cores: on 2 cores, async d1+d1 at 2 threads
-each is 1.0x the synchronous loop, not its ideal (docs/algorithms/m2po.md, "Beside TRL at equal work"). Torch-free.
+threads than the machine's CPUs make the processes take turns on the same cores, and on 2 cores even one thread each
+leaves async d1+d1 at about the synchronous loop's speed (docs/algorithms/m2po.md, "Asynchronous rollouts on 2
+cores"). Torch-free.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ def placement_line(cfg: Any, cpus: Optional[int] = None) -> str:
     total is larger, that the processes share cores and how many threads per process would not."""
     cpus = available_cpus() if cpus is None else cpus
     roles = compute_processes(cfg)
-    t = cfg.torch_threads
-    total = sum(roles.values()) * t
+    t, processes = cfg.torch_threads, sum(roles.values())
     parts = ", ".join(f"{role} {n} process{'es' if n > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
                       for role, n in roles.items())
-    line = f"stalerl: placement: {parts} (torch_threads={t}) = {total} threads on {cpus} CPUs"
-    if total > cpus:
-        fit = max(1, cpus // sum(roles.values()))
+    line = f"stalerl: placement: {parts} (torch_threads={t}) = {processes * t} threads on {cpus} CPUs"
+    if processes * t > cpus:
+        fit = max(1, cpus // processes)
         line += (f"; oversubscribed: the processes take turns on the same cores (torch_threads={fit} gives each "
-                 "process cores of its own" + ("" if fit * sum(roles.values()) <= cpus else ", not possible here:"
-                                               " more processes than CPUs") + ")")
+                 "process cores of its own" + (", not possible here: more processes than CPUs" if processes > cpus
+                                               else "") + ")")
     return line
