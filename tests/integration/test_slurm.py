@@ -604,8 +604,9 @@ def test_scancel_stops_the_run_cleanly_and_resubmitting_resumes_exactly(slurm_cl
     assert not follower.is_alive()
     captured = capsys.readouterr()
     log = Path(json.loads((run / "slurm" / "job.json").read_text())["log"]).read_text()
-    # the job's log holds the run's stdout and stderr: the note on receipt, then the run's one line
-    lines = [ln for ln in log.splitlines() if ln.startswith("stalerl: ") and "received: stopping" not in ln]
+    # the job's log holds the run's stdout and stderr: the placement line, the note on receipt, then the run's one line
+    lines = [ln for ln in log.splitlines()
+             if ln.startswith("stalerl: ") and "received: stopping" not in ln and not ln.startswith("stalerl: placement:")]
     assert len(lines) == 1, log[-3000:]
     assert "interrupted by SIGTERM at step" in lines[0] and "final checkpoint of step" in lines[0], lines
     assert "Traceback" not in log
