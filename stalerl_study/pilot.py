@@ -213,7 +213,32 @@ def check_pilot(pilot: Any, where: str = "pilot") -> CollapseRule:
     return CollapseRule.from_spec(pilot.get("collapse"), f"{where}.collapse")
 
 
+def incomplete(cells: Sequence[Any], pilot: Mapping[str, Any]) -> Optional[str]:
+    """Why the rule cannot be applied yet (a cell it reads, on-policy or the stale loss's, has seeds not collected or
+    runs that did not finish, e.g. stopped by a session's end and still to resume), or None. A verdict over part of
+    the grid would be read as one."""
+    stale_loss = pilot.get("stale_loss", "no_trust_region" if pilot.get("kind", "collapse") == "collapse" else "vanilla")
+    on_setting = pilot.get("on_policy", "fixed_staleness 0")
+    def stale(c: Any) -> bool:
+        return c.setting != on_setting and (stale_loss == c.method or f"loss={stale_loss}" in c.method.split(", "))
+
+    # on-policy: the cells that ran (a grid lists every loss there; specs run it once); stale: every cell of the loss
+    read = [c for c in cells if stale(c) or (c.setting == on_setting and (c.finished or c.diverged or c.failed))]
+    short = [f"{c.method} @ {c.setting} ({len(c.missing) + len(getattr(c, 'failed', []))} of {c.expected})"
+             for c in read if c.missing or getattr(c, "failed", [])]
+    if not short:
+        return None
+    done = sum(len(c.finished) + len(c.diverged) for c in read)
+    total = sum(c.expected for c in read)
+    return (f"Rule not applied yet: {done} of {total} runs collected; not finished: {', '.join(short)}. The decision "
+            "is made when every run is in.")
+
+
 def render_pilot(cells: Sequence[Any], pilot: Mapping[str, Any]) -> str:
+    check_pilot(pilot)
+    why = incomplete(cells, pilot)
+    if why:
+        return why
     rows, chosen = decide(cells, pilot, check_pilot(pilot))
     if pilot.get("kind", "collapse") == "degrade":
         return render_degrade(rows, chosen, pilot)

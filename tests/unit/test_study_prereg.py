@@ -155,3 +155,20 @@ def test_degrade_pilot_picks_the_smallest_staleness_where_clip_falls_behind_a_ta
                      ({"kind": "degrade", "degrade": 2}, "pilot.degrade"), ({"step0": [0, 1]}, "step0")):
         with pytest.raises(ValueError, match=key):
             check_pilot(bad)
+
+
+def test_a_pilot_with_runs_still_to_finish_is_not_decided():
+    """Part of the grid in (a session's end stopped the stale runs; the last setting has not started): the block says
+    how many runs are in and which cells are short, never 'no regime qualifies'."""
+    steps = range(0, 81, 20)
+    rise = [(s, 0.27 + s / 400) for s in steps]
+    runs = [_run("vanilla", "vanilla", "fixed_staleness 0", seed, rise) for seed in (1, 2)]
+    runs += [_run("vanilla", "vanilla", "fixed_staleness 16", seed, rise[:3], status="interrupted") for seed in (1, 2)]
+    pilot = {"kind": "degrade", "stale_loss": "vanilla", "on_policy": "fixed_staleness 0"}
+    cells = group(runs, method_keys=["loss"], seeds=[1, 2])
+    md = render_markdown(cells, study="p", pilot=pilot)
+    assert "No regime qualifies" not in md and "Chosen regime" not in md
+    assert "Rule not applied yet: 2 of 4 runs collected; not finished: vanilla @ fixed_staleness 16 (2 of 2)" in md
+    runs[2:] = [{**r, "status": "finished", "curves": {"eval/accuracy": [[s, v] for s, v in rise]}} for r in runs[2:]]
+    md = render_markdown(group(runs, method_keys=["loss"], seeds=[1, 2]), study="p", pilot=pilot)
+    assert "Rule not applied yet" not in md and "No regime qualifies: a negative result" in md
