@@ -219,13 +219,14 @@ def incomplete(cells: Sequence[Any], pilot: Mapping[str, Any]) -> Optional[str]:
     the grid would be read as one."""
     stale_loss = pilot.get("stale_loss", "no_trust_region" if pilot.get("kind", "collapse") == "collapse" else "vanilla")
     on_setting = pilot.get("on_policy", "fixed_staleness 0")
+
     def stale(c: Any) -> bool:
         return c.setting != on_setting and (stale_loss == c.method or f"loss={stale_loss}" in c.method.split(", "))
 
     # on-policy: the cells that ran (a grid lists every loss there; specs run it once); stale: every cell of the loss
     read = [c for c in cells if stale(c) or (c.setting == on_setting and (c.finished or c.diverged or c.failed))]
-    short = [f"{c.method} @ {c.setting} ({len(c.missing) + len(getattr(c, 'failed', []))} of {c.expected})"
-             for c in read if c.missing or getattr(c, "failed", [])]
+    short = [f"{c.method} @ {c.setting} ({len(c.missing) + len(c.failed)} of {c.expected})"
+             for c in read if c.missing or c.failed]
     if not short:
         return None
     done = sum(len(c.finished) + len(c.diverged) for c in read)
@@ -235,11 +236,11 @@ def incomplete(cells: Sequence[Any], pilot: Mapping[str, Any]) -> Optional[str]:
 
 
 def render_pilot(cells: Sequence[Any], pilot: Mapping[str, Any]) -> str:
-    check_pilot(pilot)
+    rule = check_pilot(pilot)
     why = incomplete(cells, pilot)
     if why:
         return why
-    rows, chosen = decide(cells, pilot, check_pilot(pilot))
+    rows, chosen = decide(cells, pilot, rule)
     if pilot.get("kind", "collapse") == "degrade":
         return render_degrade(rows, chosen, pilot)
     return render(rows, chosen, pilot.get("stale_loss", "no_trust_region"))
