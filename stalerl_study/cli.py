@@ -600,7 +600,8 @@ def _finish(spec: dict[str, Any], grid: _Grid, statuses: dict[str, Optional[str]
 def check_power(spec: dict[str, Any], *, out=print) -> None:
     """Print each pre-registered claim's minimum detectable effect / equivalence power at the registered seeds, then
     refuse (StudyError, one line per claim) an equivalence claim that cannot pass at a true difference of 0 (or that
-    states no expected_sd) unless it says accept_low_power."""
+    states no expected_sd) unless it says accept_low_power; with ``claims.power: holm`` also a primary claim below
+    power 0.8 at Holm's strictest level (see stalerl_study.prereg.power_report)."""
     claims = spec.get("claims")
     if not isinstance(claims, dict):
         return

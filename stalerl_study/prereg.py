@@ -32,6 +32,12 @@ true difference of 0 (equivalence) at the planned seeds, and refuses to run an e
 is below 0.8, or that states no ``expected_sd``, unless the claim says ``accept_low_power: <why>`` (see
 :func:`power_report`).
 
+``claims.power: holm`` asks more of a registration: every primary claim must reach power 0.8 at Holm's strictest
+level, alpha / (the number of primary claims): a ``greater``/``less`` claim at its stated ``effect`` (the smallest true
+difference the study is sized for), a margin claim at a true difference of 0; a claim that does not is refused
+unless it says ``accept_low_power``. A claim marked ``secondary: true`` is tested and shown in its own table,
+Holm-adjusted among the secondary claims only, so it neither dilutes the primary family nor needs power.
+
 Beside each paired test's p the block shows an exact sign-flip (permutation) p, with its own Holm adjustment: a
 secondary column; the verdict is always the registered test's.
 
@@ -55,7 +61,9 @@ from stalerl_study.stats import (equivalence_margin_needed, fisher_greater, form
 
 TESTS = ("greater", "less", "equivalent", "noninferior", "collapses_more")
 MARGIN_TESTS = ("equivalent", "noninferior")
-CLAIM_KEYS = {"id", "text", "test", "a", "b", "metric", "metric_b", "margin", "expected_sd", "accept_low_power"}
+CLAIM_KEYS = {"id", "text", "test", "a", "b", "metric", "metric_b", "margin", "expected_sd", "accept_low_power",
+              "effect", "secondary"}
+POWER_LEVELS = ("alpha", "holm")  # claims.power: the level a claim's power is checked at (see power_report)
 POWER_TARGET = 0.8  # an equivalence claim below this power at a true difference of 0 is refused unless accepted
 METRIC_NAMES = {"last3": "mean of last 3 evals", "auc": "eval-curve AUC", "final": "final eval",
                 "peak_drop": "early peak - final window"}
@@ -84,6 +92,8 @@ class Claim:
     margin: Optional[float] = None
     expected_sd: Optional[float] = None  # the SD of the paired differences the registration expects
     accept_low_power: Optional[str] = None  # why an underpowered equivalence claim runs anyway
+    effect: Optional[float] = None  # greater/less: the smallest true difference the registration is powered for
+    secondary: bool = False  # Holm-adjusted within the secondary claims only; never part of the primary family
 
 
 @dataclass(frozen=True)
@@ -92,16 +102,25 @@ class ClaimSet:
     alpha: float = 0.025
     baseline: Optional[tuple[str, str]] = None
     rule: CollapseRule = field(default_factory=CollapseRule)
+    power: str = "alpha"  # "holm": every primary claim needs power >= POWER_TARGET at alpha / (primary claims)
+
+    @property
+    def primary(self) -> tuple[Claim, ...]:
+        return tuple(c for c in self.claims if not c.secondary)
 
 
 def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
     """Validate a spec's ``claims`` mapping; every problem is one line naming the key and the fix."""
     if not isinstance(spec, Mapping):
         raise ClaimSpecError(f"{where}: expected a mapping with 'list' (and alpha, baseline, collapse)")
-    unknown = set(spec) - {"alpha", "baseline", "collapse", "list"}
+    unknown = set(spec) - {"alpha", "baseline", "collapse", "list", "power"}
     if unknown:
         raise ClaimSpecError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected alpha, baseline, "
-                             "collapse, list")
+                             "collapse, list, power")
+    power = spec.get("power", "alpha")
+    if power not in POWER_LEVELS:
+        raise ClaimSpecError(f"{where}.power={power!r}: expected 'alpha' (power checked at each claim's level) or "
+                             "'holm' (every primary claim powered at alpha / the number of primary claims)")
     alpha = spec.get("alpha", 0.025)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 0.5:
         raise ClaimSpecError(f"{where}.alpha={alpha!r}: expected a one-sided level in (0, 0.5), e.g. 0.025")
@@ -147,6 +166,18 @@ def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
             if c["test"] == "collapses_more":
                 raise ClaimSpecError(f"{w}.expected_sd: a collapses_more claim counts collapses (Fisher), it has no "
                                      "paired SD; remove it")
+        effect = c.get("effect")
+        if effect is not None:
+            if c["test"] not in ("greater", "less"):
+                raise ClaimSpecError(f"{w}.effect: only 'greater' and 'less' claims take an effect (the smallest true "
+                                     "difference they are powered for); a margin claim is powered at a difference of "
+                                     "0; remove it")
+            if isinstance(effect, bool) or not isinstance(effect, (int, float)) or not effect > 0:
+                raise ClaimSpecError(f"{w}.effect={effect!r}: expected the smallest true difference the claim is "
+                                     "powered for, a number > 0 in the claimed direction (e.g. 0.1)")
+        secondary = c.get("secondary", False)
+        if not isinstance(secondary, bool):
+            raise ClaimSpecError(f"{w}.secondary={secondary!r}: expected true or false")
         accept = c.get("accept_low_power")
         if accept is not None and (not isinstance(accept, str) or not accept.strip()):
             raise ClaimSpecError(f"{w}.accept_low_power={accept!r}: expected a sentence saying why the claim runs "
@@ -154,8 +185,11 @@ def parse_claims(spec: Mapping[str, Any], where: str = "claims") -> ClaimSet:
         claims.append(Claim(id=str(c["id"]), text=str(c["text"]), test=c["test"], a=parse_cell(c["a"], f"{w}.a"),
                             b=parse_cell(c["b"], f"{w}.b"), metric=metric, metric_b=c.get("metric_b"),
                             margin=None if margin is None else float(margin),
-                            expected_sd=None if sd is None else float(sd), accept_low_power=accept))
-    return ClaimSet(tuple(claims), float(alpha), baseline, rule)
+                            expected_sd=None if sd is None else float(sd), accept_low_power=accept,
+                            effect=None if effect is None else float(effect), secondary=secondary))
+    if not any(not c.secondary for c in claims):
+        raise ClaimSpecError(f"{where}.list: every claim is secondary; a study registers at least one primary claim")
+    return ClaimSet(tuple(claims), float(alpha), baseline, rule, power)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -211,7 +245,7 @@ def test_claim(cells, claim: Claim, rule: CollapseRule, alpha: float) -> Result:
     if t.se is None:
         return Result(claim, None, None, f"{t.n} paired seed(s)")
     wins = sum(x > y for _, x, y in pairs)
-    digits = 4 if claim.metric.startswith("fractions.") else 3
+    digits = 4 if claim.metric.startswith(("fractions.", "by_lag.", "mismatch.")) else 3  # shares and small M2s
     est = mean_interval([x - y for _, x, y in pairs])
     ev = f"difference {format_estimate(est, digits)}, a higher in {wins}/{t.n} seeds"
     diffs = [x - y for _, x, y in pairs]
@@ -231,12 +265,23 @@ def test_claim(cells, claim: Claim, rule: CollapseRule, alpha: float) -> Result:
                   p_perm=sign_flip_equivalence_p(diffs, claim.margin))
 
 
+def _holm_by_family(raw: Sequence[Result], values: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Holm-adjust the primary claims' p-values together and the secondary claims' together (in claim order)."""
+    out: list[Optional[float]] = [None] * len(raw)
+    for secondary in (False, True):
+        idx = [i for i, r in enumerate(raw) if r.claim.secondary == secondary]
+        for i, p in zip(idx, holm_adjust([values[i] for i in idx])):
+            out[i] = p
+    return out
+
+
 def evaluate(cells, claim_set: ClaimSet) -> list[Result]:
-    """Every claim tested, Holm-adjusted across the study (claims and their opposites as two families)."""
+    """Every claim tested, Holm-adjusted within its family (the primary claims together, the secondary ones
+    together; claims and their opposites as separate families)."""
     raw = [test_claim(cells, c, claim_set.rule, claim_set.alpha) for c in claim_set.claims]
-    adj = holm_adjust([r.p for r in raw])
-    adj_against = holm_adjust([r.p_against for r in raw])
-    adj_perm = holm_adjust([r.p_perm for r in raw])  # secondary: never decides a verdict
+    adj = _holm_by_family(raw, [r.p for r in raw])
+    adj_against = _holm_by_family(raw, [r.p_against for r in raw])
+    adj_perm = _holm_by_family(raw, [r.p_perm for r in raw])  # a second view: never decides a verdict
     out = []
     for r, p, q, pp in zip(raw, adj, adj_against, adj_perm):
         verdict = "not shown"
@@ -276,17 +321,30 @@ def _what(claim: Claim) -> str:
 
 def render_prereg(cells, claim_set: ClaimSet) -> list[str]:
     results = evaluate(cells, claim_set)
+    primary = [x for x in results if not x.claim.secondary]
+    secondary = [x for x in results if x.claim.secondary]
     r = claim_set.rule
+    family = (f"Holm-adjusted across the study's {len(results)} claims" if not secondary else
+              f"Holm-adjusted across the study's {len(primary)} primary claims (the {len(secondary)} secondary "
+              "claims below are adjusted among themselves and never enter the primary family)")
     lines = [f"Pre-registered claims (listed in the study spec before the runs; one-sided level α = "
-             f"{claim_set.alpha:g} per claim, Holm-adjusted across the study's {len(results)} claims; paired by "
+             f"{claim_set.alpha:g} per claim, {family}; paired by "
              "seed; a diverged run counts with accuracy 0 after it stopped and as collapsed). Collapse: the eval "
              f"falls ≥ {r.drop:g} below the run's running best for {r.consecutive} consecutive evals at steps ≥ "
              f"{r.after_step}, or the run diverged; early-peak-to-final drop: the best eval at steps ≤ {r.early_end} "
              f"minus the mean of the last {r.final_evals}. Holds: adjusted p ≤ α; does not hold: the opposite is "
              "significant after adjustment; not shown: neither. Secondary, never the verdict: the exact sign-flip "
              "(permutation) p of the same paired comparison (all 2^n sign patterns of the differences; its floor "
-             "is 1/2^n) and its Holm-adjusted value.", "",
-             "| claim | test | evidence | p | Holm p | sign-flip p (Holm) | verdict |",
+             "is 1/2^n) and its Holm-adjusted value.", ""]
+    lines += _claim_table(primary)
+    if secondary:
+        lines += ["", f"Secondary claims (registered with the primary ones; Holm-adjusted across these "
+                      f"{len(secondary)} only):", "", *_claim_table(secondary)]
+    return lines
+
+
+def _claim_table(results: Sequence[Result]) -> list[str]:
+    lines = ["| claim | test | evidence | p | Holm p | sign-flip p (Holm) | verdict |",
              "|---|---|---|---|---|---|---|"]
     for x in results:
         perm = "-" if x.p_perm is None else f"{_p(x.p_perm)} ({_p(x.p_perm_adj)})"
@@ -304,18 +362,26 @@ class ClaimPower:
     refusal: Optional[str] = None  # one line, when the claim may not run as registered
 
 
-def claim_power(claim: Claim, n: int, alpha: float, m: int) -> ClaimPower:
+def claim_power(claim: Claim, n: int, alpha: float, m: int, level: str = "alpha") -> ClaimPower:
     """The claim's minimum detectable effect (one-sided) or expected half-width and power at 0 (equivalence), at n
     planned seeds, at its level alpha (an upper bound on the power once Holm adjusts across m claims) and at alpha / m
-    (Holm's strictest step)."""
+    (Holm's strictest step). ``level="holm"`` (a primary claim of a spec with ``power: holm``): the claim must reach
+    POWER_TARGET at alpha / m (greater/less: at its stated ``effect``), else it is refused unless it says
+    ``accept_low_power``."""
+    holm = level == "holm"
     if claim.test == "collapses_more":
-        return ClaimPower(claim, n, f"{claim.id} (collapses_more, n={n}): Fisher exact on collapse counts; power not "
-                                    "computed (no paired SD)")
+        line = (f"{claim.id} (collapses_more, n={n}): Fisher exact on collapse counts; power not computed (no paired "
+                "SD)")
+        refusal = None
+        if holm and not claim.accept_low_power:
+            refusal = (f"claim {claim.id}: power: holm needs every primary claim powered, and a collapses_more claim "
+                       "has no paired SD; make it secondary or say accept_low_power: <why>")
+        return ClaimPower(claim, n, line, refusal)
     head = f"{claim.id} ({claim.test}, {METRIC_NAMES.get(claim.metric, claim.metric)}, n={n})"
     if claim.expected_sd is None:
         line = f"{head}: no expected_sd stated, power unknown"
         refusal = None
-        if claim.test in MARGIN_TESTS and claim.accept_low_power is None:
+        if (claim.test in MARGIN_TESTS or holm) and claim.accept_low_power is None:
             refusal = (f"claim {claim.id}: a {claim.test} claim must state expected_sd (the paired SD it expects, "
                        "from a pilot or an earlier study) so its power can be checked, or accept_low_power: <why>")
         return ClaimPower(claim, n, line, refusal)
@@ -326,43 +392,64 @@ def claim_power(claim: Claim, n: int, alpha: float, m: int) -> ClaimPower:
     strict = alpha / max(m, 1)
     if claim.test in ("greater", "less"):
         mde, mde_strict = minimum_detectable_effect(sd, n, alpha), minimum_detectable_effect(sd, n, strict)
-        return ClaimPower(claim, n, f"{head}: expected paired SD {sd:g}; minimum detectable effect (power "
-                                    f"{POWER_TARGET:g}) {mde:.3f} at α {alpha:g}, {mde_strict:.3f} at α/{m} "
-                                    f"{strict:.4f}")
+        line = (f"{head}: expected paired SD {sd:g}; minimum detectable effect (power {POWER_TARGET:g}) {mde:.3f} at "
+                f"α {alpha:g}, {mde_strict:.3f} at α/{m} {strict:.4f}")
+        if claim.effect is None:
+            refusal = None
+            if holm and not claim.accept_low_power:
+                refusal = (f"claim {claim.id}: power: holm needs the smallest effect the claim is powered for; add "
+                           f"effect: <difference> (at n={n} power {POWER_TARGET:g} needs >= {mde_strict:.3f}) or say "
+                           "accept_low_power: <why>")
+            return ClaimPower(claim, n, line, refusal)
+        power_e = power_one_sided(claim.effect, sd, n, alpha)
+        power_e_strict = power_one_sided(claim.effect, sd, n, strict)
+        line += f"; power at a true difference of {claim.effect:g}: {power_e:.2f} at α, {power_e_strict:.2f} at α/{m}"
+        if not holm:
+            return ClaimPower(claim, n, line)
+        return _with_refusal(claim, n, sd, line, power_e_strict, mde_strict, "an effect of", claim.effect)
     if claim.test == "noninferior":
         power0 = power_one_sided(claim.margin, sd, n, alpha)
         power0_strict = power_one_sided(claim.margin, sd, n, strict)
-        needed = minimum_detectable_effect(sd, n, alpha)
+        needed = minimum_detectable_effect(sd, n, strict if holm else alpha)
         line = (f"{head}: expected paired SD {sd:g}; power at a true difference of 0 to show a > b - {claim.margin:g}: "
                 f"{power0:.2f} at α {alpha:g}, {power0_strict:.2f} at α/{m}; margin for power {POWER_TARGET:g}: "
                 f"{needed:.3f}")
-        return _with_refusal(claim, n, sd, line, power0, needed, "non-inferiority")
+        return _with_refusal(claim, n, sd, line, power0_strict if holm else power0, needed, "non-inferiority")
     half = t_quantile(1.0 - alpha, n - 1) * sd / n ** 0.5
     power0 = power_equivalence(0.0, sd, n, alpha, claim.margin)
     power0_strict = power_equivalence(0.0, sd, n, strict, claim.margin)
-    needed = equivalence_margin_needed(sd, n, alpha)
+    needed = equivalence_margin_needed(sd, n, strict if holm else alpha)
     line = (f"{head}: expected paired SD {sd:g}; expected interval half-width {half:.3f} vs margin "
             f"±{claim.margin:g}; power at a true difference of 0: {power0:.2f} at α {alpha:g}, {power0_strict:.2f} "
             f"at α/{m}; margin for power {POWER_TARGET:g}: {needed:.3f}")
-    return _with_refusal(claim, n, sd, line, power0, needed, "equivalence")
+    return _with_refusal(claim, n, sd, line, power0_strict if holm else power0, needed, "equivalence")
 
 
-def _with_refusal(claim: Claim, n: int, sd: float, line: str, power0: float, needed: float, what: str) -> ClaimPower:
+def _with_refusal(claim: Claim, n: int, sd: float, line: str, power: float, needed: float, what: str,
+                  effect: Optional[float] = None) -> ClaimPower:
     refusal = None
-    if power0 < POWER_TARGET:
+    if power < POWER_TARGET:
         if claim.accept_low_power:
             line += f"; underpowered, accepted: {claim.accept_low_power}"
+        elif effect is not None:
+            refusal = (f"claim {claim.id}: power {power:.2f} < {POWER_TARGET:g} at Holm's strictest level to detect "
+                       f"{what} {effect:g} (n={n}, expected_sd {sd:g}); power {POWER_TARGET:g} needs an effect of at "
+                       f"least {needed:.3f}: plan more seeds, or say accept_low_power: <why> in the claim")
         else:
-            refusal = (f"claim {claim.id}: power {power0:.2f} < {POWER_TARGET:g} to show {what} within "
+            refusal = (f"claim {claim.id}: power {power:.2f} < {POWER_TARGET:g} to show {what} within "
                        f"{claim.margin:g} even at a true difference of 0 (n={n}, expected_sd {sd:g}); widen the "
                        f"margin to at least {needed:.3f}, plan more seeds, or say accept_low_power: <why> in the claim")
     return ClaimPower(claim, n, line, refusal)
 
 
 def power_report(claim_set: ClaimSet, n: int) -> list[ClaimPower]:
-    """Every claim's power statement at ``n`` planned seeds (see :func:`claim_power`)."""
-    m = len(claim_set.claims)
-    return [claim_power(c, n, claim_set.alpha, m) for c in claim_set.claims]
+    """Every claim's power statement at ``n`` planned seeds (see :func:`claim_power`): m is the size of the claim's
+    Holm family (primary or secondary); with ``power: holm`` the primary claims are checked at alpha / m."""
+    m_primary = len(claim_set.primary)
+    m_secondary = len(claim_set.claims) - m_primary
+    return [claim_power(c, n, claim_set.alpha, m_secondary if c.secondary else m_primary,
+                        "holm" if claim_set.power == "holm" and not c.secondary else "alpha")
+            for c in claim_set.claims]
 
 
 # ------------------------------------------------------------------------------------------------ paired table

@@ -43,6 +43,11 @@ Provenance (added within schema 2; summaries without these fields load unchanged
   stay, like every other key and value (seed and threads included). ``config_digest`` (every key as written) and
   ``setting_digest`` are unchanged. ``stalerl-study`` reuses a collected run only when this digest and the code
   match (:func:`stalerl_study.cli.reuse_refusal`).
+
+Also added within schema 2 (issue 47's secondary analyses; older summaries lack them): ``by_lag`` (per lag, the
+drift diagnostics' means over the steps whose samples were all that many versions old, :func:`by_lag`, so a
+fixed-staleness run's full-lag figures need no step filtering) and ``mismatch`` (the engine-vs-trainer mismatch
+probes' mean, max and count; their curves under ``curves``).
 """
 
 from __future__ import annotations
@@ -85,6 +90,10 @@ DIAGNOSTIC_METRICS = (*_RUNTIME_DIAGNOSTICS, *_loss_diagnostics())
 # r < 1) the removed tokens and their share of the trust region's gradient weight |A r|, for M2PO's mask, clip's clip
 # and the authors' adaptive clip. Runs that predate these metrics simply have no such curves.
 QUADRANT_DIAGNOSTICS = tuple(k for k in DIAGNOSTIC_METRICS if k.endswith(("_pos_r_gt_1", "_neg_r_lt_1")))
+# The engine-vs-trainer mismatch on fresh data (stalerl.training.mismatch), logged every
+# stats_logger.mismatch_freq_steps steps: kept as its own scalars and curves (field ``mismatch``) so a study can say
+# how far the behaviour log-probs were from the trainer's over the run.
+MISMATCH_METRICS = ("mismatch/abs_mean", "mismatch/m2", "mismatch/max_abs", "mismatch/mean", "mismatch/abs_p99")
 # Config sections that do not change what is learned: left out of ``setting_digest`` (with seed and names), so
 # runs of one setting over seeds share it.
 _NON_SETTING_KEYS = ("seed", "experiment_name", "trial_name", "cluster", "scheduler", "stats_logger", "recover",
@@ -354,6 +363,41 @@ def diagnostics(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dic
     return scalars, curves
 
 
+def by_lag(train: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{lag: {"steps": n, metric: mean}}: each drift diagnostic averaged over the steps whose samples were all
+    ``lag`` versions old (staleness/min == staleness/max). A fixed-staleness run's figures at its full lag (M2 before
+    masking, masked and would-clip shares) then come from the summary itself; the FIFO's ramp (lags 0..S-1) and
+    mixed-lag steps of an asynchronous run stay out of every lag's mean. Keys are strings (JSON)."""
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for r in train:
+        lo, hi = _num(r.get("staleness/min")), _num(r.get("staleness/max"))
+        if lo is not None and lo == hi and lo == int(lo):
+            groups.setdefault(int(lo), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for lag in sorted(groups):
+        rows = groups[lag]
+        entry: dict[str, Any] = {"steps": len(rows)}
+        for key in DIAGNOSTIC_METRICS:
+            vals = [v for r in rows if (v := _num(r.get(key))) is not None]
+            if vals:
+                entry[key] = _round(max(vals)) if _is_max(key) else _mean(vals)
+        out[str(lag)] = entry
+    return out
+
+
+def mismatch(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
+    """({metric: {mean, max, n}}, {metric: curve}) for the engine mismatch probes a run logged (MISMATCH_METRICS)."""
+    scalars, curves = {}, {}
+    for key in MISMATCH_METRICS:
+        pts = _series(train, key)
+        if not pts:
+            continue
+        vals = [v for _, v in pts]
+        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals)), "n": len(vals)}
+        curves[key] = downsample(pts)
+    return scalars, curves
+
+
 def _window(points: Sequence[tuple[int, float]], fraction: float) -> dict[str, Any]:
     if not points:
         return {"first": None, "last": None, "steps": 0}
@@ -394,6 +438,8 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
             curves[key] = downsample(pts)
     diag, diag_curves = diagnostics(train)
     curves.update(diag_curves)
+    mm, mm_curves = mismatch(train)
+    curves.update(mm_curves)
     chunked = [v for _, v in _series(train, "actor/chunked_logprobs")]
     return {
         "steps_done": int(train[-1]["step"]) if train else 0,
@@ -412,6 +458,10 @@ def summarize_metrics(rows: Sequence[Mapping[str, Any]], *, window_fraction: flo
                        if k.startswith("warm_start/") and k != "warm_start/seconds" and _num(v) is not None},
         "step_seconds": _round(sum(v for _, v in _series(train, "timing/step_s"))),
         "diagnostics": diag,
+        # per pure lag (all of a step's samples equally stale): the diagnostics' means; {} when no step logs lags
+        "by_lag": by_lag(train),
+        # the engine-vs-trainer mismatch probes (stats_logger.mismatch_freq_steps); {} when none ran
+        "mismatch": mm,
         "curves": curves,
     }
 

@@ -338,3 +338,135 @@ def test_committed_schema_1_summaries_load_into_the_new_report():
     assert md.count("| fixed_staleness 64 | eval-curve AUC |") == 1
     assert "| trust-region-helps-64: M2PO beats no trust region (S 64) |" in md
     assert "| fixed_staleness 64 | no_trust_region | - | - | - | - | - | " in md
+
+
+def test_summaries_keep_diagnostics_by_pure_lag_and_the_engine_mismatch():
+    """by_lag averages each diagnostic over the steps whose samples all share one lag (the FIFO's ramp is its own
+    lags; a mixed-lag step is in none); mismatch keeps the probes' mean, max and count and their curves."""
+    from stalerl.results.run_summary import summarize_metrics
+
+    rows = [{"step": 0, "eval/accuracy": 0.1}]
+    for s in range(1, 41):
+        lag = min(s - 1, 16)
+        row = {"step": s, "staleness/min": float(lag), "staleness/max": float(lag), "staleness/avg": float(lag),
+               "actor/m2po/masked_fraction": 0.001 * lag, "actor/m2po/m2_before": 0.01 * s,
+               "actor/m2po/would_clip_fraction": 0.002 * lag, "actor/ratio_max": 1.0 + s}
+        if s == 40:  # a mixed-lag step (an asynchronous batch): no lag's mean may take it
+            row.update({"staleness/min": 3.0, "staleness/max": 16.0, "actor/m2po/masked_fraction": 99.0})
+        if s % 10 == 0:
+            row.update({"mismatch/abs_mean": 0.001 * s, "mismatch/m2": 1e-6 * s, "mismatch/max_abs": 0.1 * s})
+        rows.append(row)
+    out = summarize_metrics(rows)
+    lags = out["by_lag"]
+    assert list(lags) == [str(x) for x in range(17)]
+    assert lags["0"]["steps"] == 1 and lags["16"]["steps"] == 23  # steps 17..39 (step 40 is mixed)
+    assert lags["16"]["actor/m2po/masked_fraction"] == pytest.approx(0.016)
+    assert lags["16"]["actor/m2po/m2_before"] == pytest.approx(0.01 * sum(range(17, 40)) / 23)
+    assert lags["16"]["actor/ratio_max"] == 40.0  # step 39's: a max diagnostic keeps its max
+    assert lags["5"]["actor/m2po/would_clip_fraction"] == pytest.approx(0.01)
+    mm = out["mismatch"]
+    assert mm["mismatch/abs_mean"] == {"mean": pytest.approx(0.025), "max": 0.04, "n": 4}
+    assert out["curves"]["mismatch/max_abs"] == [[10, 1.0], [20, 2.0], [30, 3.0], [40, 4.0]]
+    assert "mismatch/mean" not in mm  # only what the run logged
+    empty = summarize_metrics([{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "actor/grad_norm": 1.0}])
+    assert empty["by_lag"] == {} and empty["mismatch"] == {}
+
+
+# ------------------------------------------------------------------------------------------------ families, power
+def test_secondary_claims_are_their_own_holm_family():
+    """A secondary claim is adjusted only among the secondary ones: adding secondary claims leaves the primary
+    claims' adjusted p unchanged, and the block shows them in their own table."""
+    rng = random.Random(11)
+    cells = group(_study(rng, 6, shift=0.03, extra_null_claims=3))
+    primary = [CLAIM, {**CLAIM, "id": "c2", "test": "less"}]
+    second = [{**CLAIM, "id": f"s{i}", "a": f"c{i} @ S1", "b": f"d{i} @ S1", "secondary": True} for i in range(3)]
+    alone = evaluate(cells, parse_claims(_spec(*primary)))
+    mixed = evaluate(cells, parse_claims(_spec(*primary, *second)))
+    assert [r.p_adj for r in mixed[:2]] == [r.p_adj for r in alone]  # the primary family is untouched
+    assert [r.p_adj for r in mixed[2:]] == holm_adjust([r.p for r in mixed[2:]])  # adjusted among themselves
+    assert mixed[2].p_adj != holm_adjust([r.p for r in mixed])[2]  # not across all five
+    md = render_markdown(cells, study="t", claims=_spec(*primary, *second))
+    assert "across the study's 2 primary claims (the 3 secondary claims below" in md
+    assert md.index("Secondary claims (registered") < md.index("| s0: a beats b |")
+    assert md.index("| c2: a beats b |") < md.index("Secondary claims (registered")
+    with pytest.raises(ClaimSpecError, match="every claim is secondary"):
+        parse_claims(_spec(*second))
+    with pytest.raises(ClaimSpecError, match="secondary='yes'"):
+        parse_claims(_spec({**CLAIM, "secondary": "yes"}))
+
+
+def test_power_holm_checks_every_primary_claim_at_the_strictest_level():
+    from stalerl_study.prereg import power_report
+    from stalerl_study.stats import power_one_sided
+
+    greater = {**CLAIM, "expected_sd": 0.08, "effect": 0.1}
+    noninf = {**CLAIM, "id": "ni", "test": "noninferior", "margin": 0.1, "expected_sd": 0.08}
+    extra = {**CLAIM, "id": "c3", "expected_sd": 0.08, "effect": 0.1}
+    report = power_report(parse_claims(_spec(greater, noninf, extra, power="holm")), 8)
+    strict = 0.025 / 3
+    assert f"{power_one_sided(0.1, 0.08, 8, strict):.2f} at α/3" in report[0].line
+    p8 = power_one_sided(0.1, 0.08, 8, strict)
+    assert (report[0].refusal is None) == (p8 >= 0.8)
+    # at alpha (the old check) the same claim would pass with fewer seeds than at alpha / 3
+    n_alpha = next(n for n in range(2, 40) if power_one_sided(0.1, 0.08, n, 0.025) >= 0.8)
+    n_holm = next(n for n in range(2, 40) if power_one_sided(0.1, 0.08, n, strict) >= 0.8)
+    assert n_holm > n_alpha
+    short = power_report(parse_claims(_spec(greater, noninf, extra, power="holm")), n_holm - 1)
+    assert short[0].refusal and "Holm's strictest level" in short[0].refusal and "effect of at least" in short[0].refusal
+    assert power_report(parse_claims(_spec(greater, noninf, extra, power="holm")), n_holm)[0].refusal is None
+    assert power_report(parse_claims(_spec(greater, noninf, extra)), n_holm - 1)[0].refusal is None  # alpha level
+    # a secondary claim shrinks the primary family (alpha / 2) and is never refused
+    sec = power_report(parse_claims(_spec(greater, noninf, {**extra, "secondary": True}, power="holm")), n_holm - 1)
+    assert "at α/2" in sec[0].line and sec[2].refusal is None
+    # under power: holm a greater claim needs its effect, and a primary collapse claim is refused
+    no_effect = power_report(parse_claims(_spec({**CLAIM, "expected_sd": 0.08}, power="holm")), 8)
+    assert "add effect:" in no_effect[0].refusal
+    collapse = power_report(parse_claims(_spec({**CLAIM, "test": "collapses_more"}, power="holm")), 8)
+    assert "make it secondary" in collapse[0].refusal
+    accepted = {**CLAIM, "test": "collapses_more", "accept_low_power": "descriptive"}
+    assert power_report(parse_claims(_spec(accepted, power="holm")), 8)[0].refusal is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"effect": 0.1, "test": "noninferior", "margin": 0.1}, "only 'greater' and 'less' claims take an effect"),
+    ({"effect": -0.1}, "effect=-0.1: expected the smallest true difference"),
+])
+def test_effect_errors_name_the_key(bad, message):
+    with pytest.raises(ClaimSpecError, match=message):
+        parse_claims(_spec({**CLAIM, **bad}))
+    with pytest.raises(ClaimSpecError, match="power='strict'"):
+        parse_claims(_spec(CLAIM, power="strict"))
+
+
+def test_block_shows_diagnostics_by_lag_and_the_engine_mismatch_only_when_runs_have_them():
+    from stalerl.results.run_summary import summarize_metrics
+
+    def run(method: str, seed: int, scale: float) -> dict:
+        rows = [{"step": 0, "eval/accuracy": 0.2}]
+        for s in range(1, 41):
+            lag = min(s - 1, 32)
+            row = {"step": s, "staleness/min": float(lag), "staleness/max": float(lag), "staleness/avg": float(lag),
+                   f"actor/{method}/{'masked' if method == 'm2po' else 'clip'}_fraction": scale * lag,
+                   "actor/m2po/m2_before": 0.001 * lag * seed}
+            if s % 10 == 1:
+                row.update({"mismatch/m2": 1e-9 * seed, "mismatch/abs_mean": 1e-5, "mismatch/max_abs": 1e-4 * s,
+                            "mismatch/mean": 0.0})
+            rows.append(row)
+            if s % 20 == 0:
+                rows.append({"step": s, "eval/accuracy": 0.2 + s / 100})
+        out = summarize_metrics(rows)
+        return {**_summary(method, "fixed_staleness 32", seed, [tuple(p) for p in out["curves"]["eval/accuracy"]]),
+                "by_lag": out["by_lag"], "mismatch": out["mismatch"]}
+
+    runs = [run(m, seed, 0.001) for m in ("m2po", "vanilla") for seed in (1, 2)]
+    claims = _spec({**CLAIM, "a": "m2po @ fixed_staleness 32", "b": "vanilla @ fixed_staleness 32"})
+    md = render_markdown(group(runs), study="t", claims=claims)
+    head = "| setting | method | diagnostic | lag 0 | lag 1 | lag 2 | lag 4 | lag 8 | lag 16 | lag 32 |"
+    assert head in md and "steps per run: lag 0: 1, lag 1: 1" in md and "lag 32: 8)" in md
+    assert "| fixed_staleness 32 | m2po | M2PO masked | 0.0000 ± 0.0000 | 0.0010 ± 0.0000 |" in md
+    assert "| fixed_staleness 32 | m2po | M2 before masking | 0.0000 ± 0.0000 | 0.0015 ± 0.0064 |" in md  # seeds 1, 2
+    assert "| fixed_staleness 32 | vanilla | clip zeroed |" in md and "| vanilla | M2PO masked |" not in md
+    assert "| fixed_staleness 32 | m2po | 1.5e-09 | 1e-05 | 0.0031 | 0 | 4 |" in md
+    old = [{k: v for k, v in r.items() if k not in ("by_lag", "mismatch")} for r in runs]
+    md_old = render_markdown(group(old), study="t", claims=claims)
+    assert "Diagnostics by lag" not in md_old and "Engine vs trainer" not in md_old
