@@ -165,10 +165,36 @@ def render_degrade(rows: list[list[str]], chosen: Optional[str], pilot: Mapping[
             f"on-policy - {stale_loss} (last3, mean)", "seeds > 0", "sd on-policy", f"sd {stale_loss}", "sd paired",
             "qualifies"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
-    lines += ["", f"Chosen regime: {chosen}" if chosen else
-              f"No regime qualifies: a negative result ({stale_loss} did not fall behind on-policy training by "
-              f"{pilot.get('degrade', 0.05)} on a task that kept learning)."]
+    if chosen:
+        lines += ["", f"Chosen regime: {chosen}"]
+    else:
+        lines += ["", "No regime qualifies: a negative result. Per regime, what failed (and what held):", "",
+                  *(f"- {_degrade_reasons(row, pilot)}" for row in rows)]
     return "\n".join(lines)
+
+
+def _degrade_reasons(row: list[str], pilot: Mapping[str, Any]) -> str:
+    """One regime's row of :func:`decide_degrade`, said as the conditions that failed and those that held."""
+    regime, in_range, learned, mean_d, positive = row[:5]
+    stale_loss = pilot.get("stale_loss", "vanilla")
+    lo, hi = pilot.get("step0", (0.05, 0.4))
+    until, need = pilot.get("learns_until", 60), pilot.get("degrade", 0.05)
+
+    def whole(frac: str) -> bool:
+        k, n = frac.split("/")
+        return k == n and n != "0"
+
+    task = [f"on-policy step-0 accuracy in [{lo}, {hi}] in {in_range} seeds",
+            f"on-policy first reached its best at step >= {until} in {learned} seeds"]
+    failed = [t for t, ok in zip(task, (whole(in_range), whole(learned))) if not ok]
+    held = [t for t, ok in zip(task, (whole(in_range), whole(learned))) if ok]
+    if mean_d == "n/a":
+        failed.append(f"no seed has both the on-policy and the {stale_loss} run")
+    else:
+        trail = (f"{stale_loss} trailed on-policy by {mean_d} on average (last3), in {positive} seeds (needs >= "
+                 f"{need} and every seed)")
+        (held if float(mean_d) >= float(need) and whole(positive) else failed).append(trail)
+    return f"{regime}: failed: {'; '.join(failed) or 'nothing'}; held: {'; '.join(held) or 'nothing'}"
 
 
 def render(rows: list[list[str]], chosen: Optional[str], stale_loss: str) -> str:

@@ -149,7 +149,12 @@ def test_degrade_pilot_picks_the_smallest_staleness_where_clip_falls_behind_a_ta
     rows, chosen = decide(grid(too_easy, 0.2, 0.2), pilot, CollapseRule())
     assert chosen is None and rows[0][1] == "0/3"
     md = render_pilot(grid(rising, 0.02, 0.03), pilot)
-    assert "No regime qualifies: a negative result (vanilla did not fall behind" in md
+    assert "No regime qualifies: a negative result. Per regime, what failed" in md
+    assert ("- default @ fixed_staleness 16: failed: vanilla trailed on-policy by +0.018 on average (last3), in 3/3 "
+            "seeds (needs >= 0.05 and every seed); held: on-policy step-0") in md
+    md = render_pilot(grid(plateau, 0.2, 0.2), pilot)  # the task failed, the degradation held: both said
+    assert ("fixed_staleness 32: failed: on-policy first reached its best at step >= 60 in 0/3 seeds; held: "
+            "on-policy step-0 accuracy in [0.05, 0.4] in 3/3 seeds; vanilla trailed on-policy by") in md
     for bad, key in (({"kind": "sideways"}, "pilot.kind"), ({"kind": "degrade", "step0": [0.5, 0.1]}, "pilot.step0"),
                      ({"kind": "degrade", "learns_until": -1}, "pilot.learns_until"),
                      ({"kind": "degrade", "degrade": 2}, "pilot.degrade"), ({"step0": [0, 1]}, "step0")):
