@@ -631,7 +631,8 @@ if __name__ == "__main__":
 # Diagnostics by lag (summary field ``by_lag``, issue 47): which metrics, and at which lags, the table shows.
 BY_LAG_METRICS = (("M2 before masking", "actor/m2po/m2_before"), ("M2PO masked", "actor/m2po/masked_fraction"),
                   ("clip would zero (M2PO's tokens)", "actor/m2po/would_clip_fraction"),
-                  ("clip zeroed", "actor/vanilla/clip_fraction"), ("authors' clip", "actor/m2po_authors/clip_fraction"))
+                  ("clip zeroed", "actor/vanilla/clip_fraction"), ("authors' clip", "actor/m2po_authors/clip_fraction"),
+                  ("DPPO (TV) masked", "actor/dppo_tv/masked_fraction"))
 
 
 def _table_lags(lags: Sequence[int]) -> list[int]:

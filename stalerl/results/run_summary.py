@@ -350,17 +350,23 @@ def _is_max(key: str) -> bool:
     return key.endswith(("_max", "/max"))
 
 
-def diagnostics(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
-    """({metric: {mean, max}}, {metric: compact curve}) for the drift diagnostics a run logged."""
+def _scalars_and_curves(train: Sequence[Mapping[str, Any]], keys: Sequence[str], *,
+                        count: bool = False) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
+    """({metric: {mean, max[, n]}}, {metric: compact curve}) for the ``keys`` a run logged (per-bin max for maxima)."""
     scalars, curves = {}, {}
-    for key in DIAGNOSTIC_METRICS:
+    for key in keys:
         pts = _series(train, key)
         if not pts:
             continue
         vals = [v for _, v in pts]
-        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals))}
+        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals)), **({"n": len(vals)} if count else {})}
         curves[key] = downsample(pts, reduce="max" if _is_max(key) else "mean")
     return scalars, curves
+
+
+def diagnostics(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
+    """({metric: {mean, max}}, {metric: compact curve}) for the drift diagnostics a run logged."""
+    return _scalars_and_curves(train, DIAGNOSTIC_METRICS)
 
 
 def by_lag(train: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -387,15 +393,7 @@ def by_lag(train: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def mismatch(train: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, list[list[float]]]]:
     """({metric: {mean, max, n}}, {metric: curve}) for the engine mismatch probes a run logged (MISMATCH_METRICS)."""
-    scalars, curves = {}, {}
-    for key in MISMATCH_METRICS:
-        pts = _series(train, key)
-        if not pts:
-            continue
-        vals = [v for _, v in pts]
-        scalars[key] = {"mean": _mean(vals), "max": _round(max(vals)), "n": len(vals)}
-        curves[key] = downsample(pts)
-    return scalars, curves
+    return _scalars_and_curves(train, MISMATCH_METRICS, count=True)
 
 
 def _window(points: Sequence[tuple[int, float]], fraction: float) -> dict[str, Any]:
