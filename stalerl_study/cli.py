@@ -21,7 +21,9 @@ unless it says ``accept_low_power``; ``stalerl-study power SPEC`` prints the sam
 ``setting_losses`` (optional mapping setting -> the losses run there, e.g. on-policy once), ``variant_losses``
 (optional mapping variant -> the losses run with it, e.g. a tau variant for m2po only; a variant not listed runs
 with every loss), ``pilot`` (a pilot's decision rule, see stalerl_study.pilot: validated, copied into study.json and
-applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it).
+applied in the block; ``stalerl-study pilot RESULTS --spec SPEC`` prints it). ``stalerl-study registration RESULTS
+--spec SPEC`` checks that every collected run ran from a clean commit already holding the registered spec
+(stalerl_study.registration).
 Paths in a spec are relative to the working directory: run the shipped specs from the repository root.
 
 Cost on small machines: with ``warm_start_cache`` the supervised warm start is run once per seed (in this
@@ -886,6 +888,29 @@ def apply_cli(spec: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
+def registration_report(results: str, spec: str, *, out=print) -> int:
+    """``stalerl-study registration``: exit 0 when every collected run ran from a clean commit holding the registered
+    spec byte for byte (stalerl_study.registration), else 1 with one line per run that does not."""
+    from stalerl_study.registration import check_runs
+    from stalerl_study.report import ReportError, load_summaries
+
+    try:
+        summaries = load_summaries([results])
+        added, ok, bad = check_runs(summaries, Path(spec))
+    except (ReportError, ValueError) as exc:
+        raise StudyError(str(exc)) from exc
+    if added is None:
+        raise StudyError(f"{spec}: git has never held this spec; commit the registration before any run")
+    commit, when = added.split(" ", 1)
+    out(f"registration: {spec} first committed in {commit[:12]} ({when})")
+    for line in (*ok, *bad):
+        out(f"  {line}")
+    if not summaries:
+        out("  no runs collected yet")
+    out(f"{len(ok)} of {len(summaries)} runs ran from a clean commit holding the registered spec")
+    return 1 if bad else 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="stalerl-study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -928,8 +953,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     w.add_argument("--out", required=True)
     w.add_argument("--config", required=True)
     w.add_argument("overrides", nargs="*")
+    rg = sub.add_parser("registration", help="check that every collected run ran from a clean commit holding the "
+                                             "registered spec (the registration preceded it)")
+    rg.add_argument("results", help="the study's results directory (collected summaries)")
+    rg.add_argument("--spec", required=True, help="the registered study spec, as committed")
     a = p.parse_args(argv)
     try:
+        if a.cmd == "registration":
+            return registration_report(a.results, a.spec)
         if a.cmd == "pilot":
             return pilot_decision(a.results, a.spec)
         if a.cmd == "power":
