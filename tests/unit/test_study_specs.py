@@ -30,3 +30,22 @@ def test_the_pilot_resumes_a_run_a_session_end_stopped():
     assert "recover.mode=auto" in s["overrides"] and not any(o.startswith("recover.mode=disabled") for o in s["overrides"])
     assert s["pilot"]["kind"] == "degrade" and s["losses"] == ["vanilla"]
     assert os.path.basename(s["config"]) == "smollm2_add_m2po_cpu.yaml"
+
+
+def test_the_registered_smollm2_study_is_the_pilots_configuration_on_fresh_seeds_and_powered(capsys):
+    """Issue 47's registration: the pilot's overrides (so its spread applies), seeds disjoint from the pilot's (its
+    clip runs chose the regime), every primary claim powered at Holm's strictest level at the registered seeds, and
+    not at fewer (the seeds were sized, not padded)."""
+    from stalerl_study.cli import check_power
+    from stalerl_study.prereg import parse_claims, power_report
+
+    study = load_spec(REPO / "examples" / "math" / "study" / "smollm2_study.yaml")
+    pilot = load_spec(REPO / "examples" / "math" / "study" / "smollm2_pilot.yaml")
+    assert study["config"] == pilot["config"] and study["overrides"] == pilot["overrides"]
+    assert not set(study["seeds"]) & set(pilot["seeds"])
+    claims = parse_claims(study["claims"])
+    assert claims.power == "holm" and len(claims.primary) == 3
+    check_power(study)  # raises (StudyError) on an underpowered primary claim
+    assert "α/3" in capsys.readouterr().out
+    fewer = power_report(claims, len(study["seeds"]) - 1)
+    assert any(p.refusal for p in fewer), "one seed fewer would also be powered: the seeds are not sized"
