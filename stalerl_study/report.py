@@ -435,6 +435,79 @@ def render_quadrants(cells: Sequence[Cell]) -> list[str]:
             "half-width). Share: the removed tokens' gradient weight \\|A·r\\| over that of all trust-region "
             "tokens:", "", *_table(header, rows)]
 
+# Diagnostics by lag (summary field ``by_lag``, issue 47): which metrics, and at which lags, the table shows.
+BY_LAG_METRICS = (("M2 before masking", "actor/m2po/m2_before"), ("M2PO masked", "actor/m2po/masked_fraction"),
+                  ("clip would zero (M2PO's tokens)", "actor/m2po/would_clip_fraction"),
+                  ("clip zeroed", "actor/vanilla/clip_fraction"), ("authors' clip", "actor/m2po_authors/clip_fraction"),
+                  ("DPPO (TV) masked", "actor/dppo_tv/masked_fraction"))
+
+
+def _span(counts: Sequence[int]) -> str:
+    """'n' when every run has the same count, 'lo-hi' when they differ, '-' when none."""
+    if not counts:
+        return "-"
+    return str(counts[0]) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+
+def _table_lags(lags: Sequence[int]) -> list[int]:
+    """0, 1, 2, 4, ... up to the largest lag, and the largest lag itself (a run's full lag)."""
+    top = max(lags)
+    picked = [x for x in (0, *(2 ** i for i in range(top.bit_length()))) if x in lags]
+    return sorted({*picked, top})
+
+
+def render_by_lag(cells: Sequence[Cell]) -> list[str]:
+    """Per cell and diagnostic, the mean over runs of the diagnostic's mean over the steps whose samples were all
+    that many versions old (the summaries' ``by_lag``); [] when no run records more than one lag."""
+    per_cell = [(c, [r.get("by_lag") or {} for r in (*c.finished, *c.diverged)]) for c in cells]
+    lags = sorted({int(k) for _, bl in per_cell for b in bl for k in b})
+    if len(lags) < 2:
+        return []
+    shown = _table_lags(lags)
+    rows = []
+    for c, bl in per_cell:
+        for name, key in BY_LAG_METRICS:
+            vals = [[float(v) for b in bl if isinstance(v := (b.get(str(lag)) or {}).get(key), (int, float))]
+                    for lag in shown]
+            if any(vals):
+                rows.append([c.setting, c.method, name, *(format_estimate(mean_interval(v), 4) if v else "-"
+                                                          for v in vals)])
+    if not rows:
+        return []
+    steps = [[int(b[str(lag)]["steps"]) for _, bl in per_cell for b in bl if str(lag) in b] for lag in shown]
+    per_run = ", ".join(f"lag {lag}: {_span(n)}" for lag, n in zip(shown, steps) if n)
+    header = ["setting", "method", "diagnostic", *(f"lag {lag}" for lag in shown)]
+    return [f"Diagnostics by lag (per run: the mean over the steps whose samples were all that many versions old; "
+            f"cells: mean over runs ± 95% half-width; steps per run: {per_run}):", "", *_table(header, rows)]
+
+
+MISMATCH_COLUMNS = (("M2 of the mismatch (mean)", "mismatch/m2", "mean"),
+                    ("\\|d\\| mean (mean)", "mismatch/abs_mean", "mean"),
+                    ("\\|d\\| max (max)", "mismatch/max_abs", "max"),
+                    ("mean d (mean)", "mismatch/mean", "mean"))
+
+
+def render_mismatch(cells: Sequence[Cell]) -> list[str]:
+    """Per cell, the engine-vs-trainer mismatch on fresh data (summaries' ``mismatch``; d = trainer log-prob - engine
+    log-prob per token): mean over runs of each probe statistic; [] when no run probed."""
+    rows = []
+    for c in cells:
+        runs = [r.get("mismatch") or {} for r in (*c.finished, *c.diverged)]
+        if not any(runs):
+            continue
+        row = [c.setting, c.method]
+        for _, key, stat in MISMATCH_COLUMNS:
+            vals = [float(v) for m in runs if isinstance(v := (m.get(key) or {}).get(stat), (int, float))]
+            row.append(f"{mean_interval(vals).mean:.3g}" if vals else "-")
+        probes = [int(v) for m in runs if isinstance(v := (m.get("mismatch/m2") or {}).get("n"), int)]
+        row.append(_span(probes))
+        rows.append(row)
+    if not rows:
+        return []
+    header = ["setting", "method", *(h for h, _, _ in MISMATCH_COLUMNS), "probes per run"]
+    return ["Engine vs trainer on fresh data (stats_logger.mismatch_freq_steps; d = trainer log-prob - engine "
+            "log-prob per sampled token; cells: mean over runs; M2PO's τ is 0.04):", "", *_table(header, rows)]
+
 
 # ------------------------------------------------------------------------------------------------ figures
 def _curve(summary: Mapping[str, Any], metric: str) -> list[tuple[float, float]]:
@@ -627,71 +700,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-# Diagnostics by lag (summary field ``by_lag``, issue 47): which metrics, and at which lags, the table shows.
-BY_LAG_METRICS = (("M2 before masking", "actor/m2po/m2_before"), ("M2PO masked", "actor/m2po/masked_fraction"),
-                  ("clip would zero (M2PO's tokens)", "actor/m2po/would_clip_fraction"),
-                  ("clip zeroed", "actor/vanilla/clip_fraction"), ("authors' clip", "actor/m2po_authors/clip_fraction"),
-                  ("DPPO (TV) masked", "actor/dppo_tv/masked_fraction"))
-
-
-def _table_lags(lags: Sequence[int]) -> list[int]:
-    """0, 1, 2, 4, ... up to the largest lag, and the largest lag itself (a run's full lag)."""
-    top = max(lags)
-    picked = [x for x in (0, *(2 ** i for i in range(top.bit_length()))) if x in lags]
-    return sorted({*picked, top})
-
-
-def render_by_lag(cells: Sequence[Cell]) -> list[str]:
-    """Per cell and diagnostic, the mean over runs of the diagnostic's mean over the steps whose samples were all
-    that many versions old (the summaries' ``by_lag``); [] when no run records more than one lag."""
-    per_cell = [(c, [r.get("by_lag") or {} for r in (*c.finished, *c.diverged)]) for c in cells]
-    lags = sorted({int(k) for _, bl in per_cell for b in bl for k in b})
-    if len(lags) < 2:
-        return []
-    shown = _table_lags(lags)
-    rows = []
-    for c, bl in per_cell:
-        for name, key in BY_LAG_METRICS:
-            vals = [[float(v) for b in bl if isinstance(v := (b.get(str(lag)) or {}).get(key), (int, float))]
-                    for lag in shown]
-            if any(vals):
-                rows.append([c.setting, c.method, name, *(format_estimate(mean_interval(v), 4) if v else "-"
-                                                          for v in vals)])
-    if not rows:
-        return []
-    steps = [[int(b[str(lag)]["steps"]) for _, bl in per_cell for b in bl if str(lag) in b] for lag in shown]
-    per_run = ", ".join(f"lag {lag}: {min(n)}-{max(n)}" if min(n) != max(n) else f"lag {lag}: {n[0]}"
-                        for lag, n in zip(shown, steps) if n)
-    header = ["setting", "method", "diagnostic", *(f"lag {lag}" for lag in shown)]
-    return [f"Diagnostics by lag (per run: the mean over the steps whose samples were all that many versions old; "
-            f"cells: mean over runs ± 95% half-width; steps per run: {per_run}):", "", *_table(header, rows)]
-
-
-MISMATCH_COLUMNS = (("M2 of the mismatch (mean)", "mismatch/m2", "mean"),
-                    ("\\|d\\| mean (mean)", "mismatch/abs_mean", "mean"),
-                    ("\\|d\\| max (max)", "mismatch/max_abs", "max"),
-                    ("mean d (mean)", "mismatch/mean", "mean"))
-
-
-def render_mismatch(cells: Sequence[Cell]) -> list[str]:
-    """Per cell, the engine-vs-trainer mismatch on fresh data (summaries' ``mismatch``; d = trainer log-prob - engine
-    log-prob per token): mean over runs of each probe statistic; [] when no run probed."""
-    rows = []
-    for c in cells:
-        runs = [r.get("mismatch") or {} for r in (*c.finished, *c.diverged)]
-        if not any(runs):
-            continue
-        row = [c.setting, c.method]
-        for _, key, stat in MISMATCH_COLUMNS:
-            vals = [float(v) for m in runs if isinstance(v := (m.get(key) or {}).get(stat), (int, float))]
-            row.append(f"{mean_interval(vals).mean:.3g}" if vals else "-")
-        probes = [int(v) for m in runs if isinstance(v := (m.get("mismatch/m2") or {}).get("n"), int)]
-        row.append(f"{min(probes)}-{max(probes)}" if probes and min(probes) != max(probes) else
-                   (str(probes[0]) if probes else "-"))
-        rows.append(row)
-    if not rows:
-        return []
-    header = ["setting", "method", *(h for h, _, _ in MISMATCH_COLUMNS), "probes per run"]
-    return ["Engine vs trainer on fresh data (stats_logger.mismatch_freq_steps; d = trainer log-prob - engine "
-            "log-prob per sampled token; cells: mean over runs; M2PO's τ is 0.04):", "", *_table(header, rows)]
