@@ -435,6 +435,7 @@ def render_quadrants(cells: Sequence[Cell]) -> list[str]:
             "half-width). Share: the removed tokens' gradient weight \\|A·r\\| over that of all trust-region "
             "tokens:", "", *_table(header, rows)]
 
+
 # Diagnostics by lag (summary field ``by_lag``, issue 47): which metrics, and at which lags, the table shows.
 BY_LAG_METRICS = (("M2 before masking", "actor/m2po/m2_before"), ("M2PO masked", "actor/m2po/masked_fraction"),
                   ("clip would zero (M2PO's tokens)", "actor/m2po/would_clip_fraction"),
