@@ -183,8 +183,41 @@ _SEPARATE_ENVIRONMENTS = {
 }
 
 
+# Under pytest-xdist (scripts/test.sh runs `-n N --dist loadgroup`): tests that start a cluster service (the session's
+# single-node Slurm, a local Ray cluster, Slurm jobs running Ray) share one worker, so two clusters never run at once.
+_SERVICE_MARKERS = ("slurm", "ray")
+_SERVICE_FIXTURES = ("slurm_cluster",)
+# The longest tests (minutes on 2 cores) are handed out first, so the last minutes of a parallel run are not one of
+# them running alone. Matched against the node id's start; the order among them is this tuple's.
+_LONG_FIRST = (
+    "tests/e2e/test_gpu_check_cpu.py::test_gpu_check_cpu_dry_mode_with_the_real_model",
+    "tests/integration/test_slurm.py",
+    "tests/integration/test_ray.py",
+    "tests/integration/test_fsdp_runtime.py",
+    "tests/unit/test_fsdp.py",
+    "tests/unit/test_report.py::test_study_runner_on_a_tiny_grid",
+)
+
+
+def _long_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(_LONG_FIRST) if nodeid.startswith(prefix)), len(_LONG_FIRST))
+
+
+def _group_for_xdist(config, items) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if (any(item.get_closest_marker(m) is not None for m in _SERVICE_MARKERS)
+                or any(f in getattr(item, "fixturenames", ()) for f in _SERVICE_FIXTURES)):
+            item.add_marker(pytest.mark.xdist_group("services"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in each worker; a stable sort, so every worker has the same order
+        items.sort(key=lambda item: _long_rank(item.nodeid))
+
+
 def pytest_collection_modifyitems(config, items):
     import importlib.util
+
+    _group_for_xdist(config, items)
 
     for marker, (module, command) in _SEPARATE_ENVIRONMENTS.items():
         marked = [item for item in items if item.get_closest_marker(marker) is not None]

@@ -1,6 +1,6 @@
 """smollm2_stale (issue 36 item 4) shares its staleness-4 runs with smollm2_add: the same run directories and
 resolved configs, so the study reuses them instead of paying 26 min again (every shipped spec's validation is in
-test_report.py::test_every_shipped_study_spec_validates)."""
+test_study_specs.py::test_a_shipped_study_spec_resolves_its_whole_grid)."""
 
 from __future__ import annotations
 

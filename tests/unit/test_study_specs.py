@@ -1,5 +1,5 @@
 """Every shipped study spec resolves: its keys, its configs with every override, its grid (``--dry-run``: nothing
-runs). The study issue's pilot also resumes across sessions: its runs checkpoint (recover.mode=auto)."""
+runs), its results directory and doc block. The study issue's pilot also resumes across sessions: its runs checkpoint (recover.mode=auto)."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,11 @@ def test_a_shipped_study_spec_resolves_its_whole_grid(spec, capsys, monkeypatch)
     _, _, listing = out.rpartition(f"study {s['name']}: ")  # the power lines (specs with claims) come first
     lines = listing.splitlines()
     runs = [ln.strip() for ln in lines[1:] if ln.startswith("  ")]
-    assert runs and lines[0].startswith(f"{len(runs)} runs ("), out
+    assert len(runs) >= 5 and lines[0].startswith(f"{len(runs)} runs ("), out
+    # where its summaries and its doc block go (the dry run loaded every run's config: a loss added to `losses` that
+    # does not exist, or a setting named otherwise than its runs report, fails above)
+    assert s["results"] == f"docs/algorithms/results/{s['name']}"
+    assert f"<!-- results:begin {s['name']} -->" in (REPO / s["doc"]).read_text()
 
 
 def test_the_pilot_resumes_a_run_a_session_end_stopped():
