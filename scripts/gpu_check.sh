@@ -111,11 +111,13 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFOR
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 cd "$REPO"
 
-# Part slices: minimum and cap in seconds, per device; optional parts reserve nothing for themselves.
+# Part slices: minimum and cap in seconds, per device; optional parts reserve nothing for themselves. CPU dry mode:
+# real_model's cap leaves its emulated-bf16 run room on a loaded runner (175 s of a 279 s share beside a second test
+# worker on an idle AVX2 EPYC; CI adds the frameworks lane).
 if [ "$DEVICE" = cpu ]; then
   declare -A PMIN=([numerics]=15 [real_model]=40 [one_gpu_async]=30 [real_scale]=20 [long]=15 [bench]=10
                    [m2po_selection]=10 [smoke]=60)
-  declare -A PCAP=([numerics]=240 [real_model]=600 [one_gpu_async]=300 [real_scale]=300 [long]=120 [bench]=200
+  declare -A PCAP=([numerics]=240 [real_model]=900 [one_gpu_async]=300 [real_scale]=300 [long]=120 [bench]=200
                    [m2po_selection]=120 [smoke]=600)
 else
   declare -A PMIN=([numerics]=20 [real_model]=45 [one_gpu_async]=40 [real_scale]=60 [long]=40 [bench]=15
