@@ -2,6 +2,7 @@
 paths must give bit-identical tokens, behaviour log-probs and generator state, greedy and sampled, with several end
 tokens, left padding of different lengths, rows ending at different steps, and with finished rows compacted away."""
 
+import gc
 import sys
 
 import pytest
@@ -203,11 +204,14 @@ def _python_calls(fn) -> int:
         nonlocal calls
         calls += event == "call"
 
+    gc.collect()
+    gc.disable()  # a collection inside the window runs finalizers: calls that belong to no decode step
     sys.setprofile(profiler)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 
@@ -226,7 +230,10 @@ def test_python_work_per_step_does_not_grow_with_the_step_count(tiny_policy):
 
     run(4)  # warm-up: transformers' first-call caches
     c10, c20, c40 = (_python_calls(lambda s=s: run(s)) for s in (10, 20, 40))
-    assert c40 - c20 == 2 * (c20 - c10), (c10, c20, c40)
+    # Constant per-step work makes c40 - c20 equal 2 (c20 - c10); per-step work growing by b calls a step makes
+    # them differ by 300 b. A few calls of slack for one-off work (a lazy import or cache fill landing in one window:
+    # the suite once saw a difference of 2 at ~465 calls a step) still fails any growth of one call per 30 steps.
+    assert abs((c40 - c20) - 2 * (c20 - c10)) <= 8, (c10, c20, c40)
 
 
 def test_progress_lines_only_for_long_generations(tiny_policy):
