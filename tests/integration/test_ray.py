@@ -90,7 +90,9 @@ def test_placement_that_cannot_fit_fails_fast(tmp_path):
 
 def test_dead_actor_stops_the_run_with_its_error(tmp_path):
     cmd = _cmd(tmp_path, "ray-kill", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 500})
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its own process group: on a failure below, the driver and the Ray processes it started go together
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "ray-kill"
     # A hang guard, not a speed bound: on CI's loaded 2 cores (two test workers beside the frameworks lane) Ray's
     # start and the first 3 steps took over 180 s once. The run is asked for 500 steps, so it is always killed here.
@@ -109,7 +111,7 @@ def test_dead_actor_stops_the_run_with_its_error(tmp_path):
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0
     assert "rollout/0" in err and "actor died" in err
