@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stalerl.core.hardware import cpu_isa  # noqa: E402
+
 KERNELS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
@@ -51,8 +53,7 @@ def main() -> None:
     start = [torch.randn(s, generator=gen, dtype=dtype) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=gen, dtype=dtype) * 1e-3 for s in shapes]
     n = sum(p.numel() for p in start)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in Path("/proc/cpuinfo").read_text()] \
-        if Path("/proc/cpuinfo").exists() else []
+    flags = cpu_isa()
     print(f"AdamW on SmolLM2-135M's shapes: {len(shapes)} tensors, {n / 1e6:.1f}M {args.dtype} parameters, "
           f"{args.threads} threads, torch {torch.__version__}, CPU flags {' '.join(flags) or 'n/a'}")
     optimizers = {}

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from stalerl.core.hardware import BF16_CPU_FLAGS, cpu_flags
+from stalerl.core.hardware import BF16_CPU_FLAGS, cpu_flags, cpu_isa
 
 SHAPES = {"mlp 576->1536": (400, 576, 1536), "head 576->49152": (400, 576, 49152)}
 
@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     flags = cpu_flags()
     native = [f for f in BF16_CPU_FLAGS if f in flags]
-    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "neither AVX2 nor AVX512"
+    isa = ", ".join(cpu_isa(flags)) or "neither AVX2 nor AVX512"
     print(f"torch {torch.__version__}, {a.threads} thread(s), {isa}, bf16 units: {', '.join(native) or 'none'}")
     print(f"{'shape':<18}{'layout':<9}{'fp32 ms':>9}{'bf16 ms':>10}{'bf16/fp32':>11}{'via fp32/fp32':>15}")
     for name, (m, k, n) in SHAPES.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stalerl.core.hardware import cpu_isa  # noqa: E402
 from stalerl.training.actor import pack_micro_batches, padded_tokens  # noqa: E402
 
 N_PROMPTS, N_SAMPLES, MAX_NEW = 64, 4, 512
@@ -150,8 +151,7 @@ def time_packed(model_name: str, rows: int, max_tokens: int, repeat: int, thread
     real = sum(p_len) + sum(r_len)
     computed = padded_tokens(p_len, r_len, groups)
     packed_sizing = len(actors["packed"].micro_batches(batch))
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in Path("/proc/cpuinfo").read_text()] \
-        if Path("/proc/cpuinfo").exists() else []
+    flags = cpu_isa()
     print(f"\n{model_name} float32, {rows} rows (prompts 20-60, responses 5-64), max_tokens_per_mb={max_tokens}: "
           f"{len(groups)} micro-batches (packed sizing by real tokens: {packed_sizing}), {threads} threads, "
           f"CPU flags {' '.join(flags) or 'n/a'}")

@@ -82,10 +82,9 @@ def _timed(engine, questions, answers, n: int, new_tokens: int, threads: int, **
 def _machine() -> str:
     import torch
 
-    from stalerl.core.hardware import cpu_flags
+    from stalerl.core.hardware import cpu_isa
 
-    flags = cpu_flags()
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    isa = cpu_isa()
     return (f"CPU: {os.cpu_count()} cores, {', '.join(isa) or 'no AVX2'}, torch capability "
             f"{torch.backends.cpu.get_cpu_capability()}; load average "
             + " ".join(f"{x:.2f}" for x in os.getloadavg()))

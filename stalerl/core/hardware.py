@@ -13,6 +13,10 @@ from typing import Optional
 # /proc/cpuinfo flags of native bf16 dot products, the faster first
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
+#: The vector extensions that choose ATen's CPU kernels (and so the rounding of a trajectory) and whether bf16 is
+#: native, as /proc/cpuinfo names them: what run summaries and benches record of a machine.
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The flags of the first processor listed (x86 Linux); empty where there is no such file or line."""
@@ -25,6 +29,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
         if key.strip() == "flags":
             return set(value.split())
     return set()
+
+
+def cpu_isa(flags: Optional[set[str]] = None) -> list[str]:
+    """The CPU_ISA_FLAGS this CPU has, in that order (``flags`` default to this machine's)."""
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in CPU_ISA_FLAGS if f in flags]
 
 
 def auto_compute_dtype(device_type: str, flags: Optional[set[str]] = None,

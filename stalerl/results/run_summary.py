@@ -64,6 +64,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from stalerl.core.hardware import cpu_isa
 from stalerl.core.io import atomic_write_text
 
 SUMMARY_FILE = "summary.json"
@@ -115,10 +116,6 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-#: The vector extensions that choose ATen's CPU kernels (and so the rounding of a trajectory), as /proc/cpuinfo names them.
-CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
 def machine_description() -> dict[str, Any]:
     """CPU model, core count and library versions: trajectories of the same config differ across CPUs."""
     cpu, flags, named = platform.processor() or "", set(), False
@@ -136,7 +133,7 @@ def machine_description() -> dict[str, Any]:
                            # the CPU's vector extensions and the kernels ATen dispatched to: the same config trains
                            # differently under AVX2 and AVX512 kernels (fp32 sums in another order), so a re-run
                            # reproduces a summary only on the same ISA, or with ATEN_CPU_CAPABILITY set to its value
-                           "cpu_isa": [f for f in CPU_ISA_FLAGS if f in flags],
+                           "cpu_isa": cpu_isa(flags),
                            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY") or "default"}
     for mod in ("torch", "transformers"):
         try:

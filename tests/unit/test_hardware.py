@@ -38,3 +38,11 @@ def test_actor_dtype_auto_resolves_once_with_one_line_and_other_values_stay():
     fixed = load_config(["actor.dtype=float32"])
     assert resolve_compute_dtype(fixed, log=lines.append) is None and fixed.actor.dtype == "float32"
 
+
+
+def test_cpu_isa_lists_the_recorded_extensions_in_order_and_nothing_else():
+    from stalerl.core.hardware import CPU_ISA_FLAGS, cpu_isa
+
+    assert cpu_isa({"fma", "amx_bf16", "avx2", "avx512_bf16", "avx512f", "sse4_2"}) == list(CPU_ISA_FLAGS)
+    assert cpu_isa({"avx512f", "avx2"}) == ["avx2", "avx512f"]
+    assert cpu_isa(set()) == [] and cpu_isa({"avx", "sse4_2"}) == []
