@@ -6,6 +6,12 @@ train workers (``actor.backend``'s dY), its controller mostly waiting. Every com
 threads than the machine's CPUs make the processes take turns on the same cores, and on 2 cores even one thread each
 leaves async d1+d1 at about the synchronous loop's speed (docs/algorithms/m2po.md, "Asynchronous rollouts on 2
 cores"). Torch-free.
+
+Oversubscribed cores cost more than their share under libgomp's default wait policy: a thread that reaches a barrier
+first spins on its core while its sibling, descheduled for another process's thread, cannot finish (one SmolLM2 run,
+2 threads, the other core busy: 234 s spinning, 36 s with ``OMP_WAIT_POLICY=PASSIVE``, the same metrics). So where a
+run's own worker processes oversubscribe this machine, their OpenMP threads wait passively
+(:func:`passive_wait_for_workers`); a wait policy changes no result.
 """
 
 from __future__ import annotations
@@ -47,3 +53,26 @@ def placement_line(cfg: Any, cpus: Optional[int] = None) -> str:
                  "process cores of its own" + (", not possible here: more processes than CPUs" if processes > cpus
                                                else "") + ")")
     return line
+
+
+#: libgomp's wait policy variable, read once when a process loads the OpenMP runtime (at ``import torch``).
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
+
+def passive_wait_for_workers(cfg: Any, cpus: Optional[int] = None,
+                             environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (default ``os.environ``, which the worker processes spawned
+    after this inherit) when the run's worker processes oversubscribe the CPUs here, and return the line saying so.
+    None, setting nothing, when the run has no worker processes (the synchronous loop: one process, whose OpenMP
+    runtime is loaded already), its placement fits, its workers are Ray actors (their environment is the cluster's),
+    or the variable is set (the user's choice, kept)."""
+    environ = os.environ if environ is None else environ
+    cpus = available_cpus() if cpus is None else cpus
+    roles = compute_processes(cfg)
+    threads = cfg.torch_threads * sum(roles.values())
+    if "trainer" in roles or threads <= cpus or cfg.scheduler.type == "ray" or WAIT_POLICY_ENV in environ:
+        return None
+    environ[WAIT_POLICY_ENV] = "PASSIVE"
+    return (f"stalerl: placement: {WAIT_POLICY_ENV}=PASSIVE for the worker processes ({threads} threads on {cpus} "
+            "CPUs): an OpenMP thread waiting at a barrier sleeps instead of spinning on a core another worker needs; "
+            f"a wait policy, no result changes (set {WAIT_POLICY_ENV} to choose it yourself)")

@@ -21,7 +21,7 @@ from stalerl.training.actor import Actor, correction_params
 from stalerl.training.advantage import grpo_advantages, shaped_rewards, zero_advantage_rows
 from stalerl.training.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from stalerl.config import ExperimentConfig, run_dir, save_resolved_config
-from stalerl.config.placement import placement_line
+from stalerl.config.placement import passive_wait_for_workers, placement_line
 from stalerl.config.rules import resolve_compute_dtype, resolve_rollout_backend
 from stalerl.core import interrupt
 from stalerl.core.errors import NotAvailableError, UserError
@@ -124,6 +124,9 @@ class Trainer:
         resolve_rollout_backend(cfg, log=self.log)
         resolve_compute_dtype(cfg, log=self.log)  # actor.dtype=auto: the same, for the hardware's bf16 units
         self.log(placement_line(cfg))  # processes x threads per role against this machine's CPUs
+        wait_line = passive_wait_for_workers(cfg)  # before any worker process exists: they inherit it
+        if wait_line:
+            self.log(wait_line)
         self.engine_name = engine = cfg.rollout.backend.split(":", 1)[0]
         if engine not in ("hf", "vllm"):
             raise NotAvailableError(

@@ -197,3 +197,24 @@ def test_training_goes_on_while_an_evaluation_runs_on_a_rollout_worker(tmp_path)
     assert [r["step"] for r in rows] == list(range(0, 7))  # one row per step, in order, as the sync loop writes
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3, 6]
     assert all(r["eval/seconds"] >= 6 for r in rows if "eval/accuracy" in r)
+
+
+def test_workers_that_oversubscribe_the_cpus_wait_passively(tmp_path):
+    """d1+d1 at one thread each on one CPU (this run's affinity): the run says its workers' OpenMP threads wait
+    passively, and a live worker's environment holds OMP_WAIT_POLICY=PASSIVE (set before it was spawned)."""
+    cpu = min(os.sched_getaffinity(0))
+    cmd = _cmd(tmp_path, "passive", **{"rollout.max_head_offpolicyness": 1, "total_train_steps": 500})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}), start_new_session=True)
+    run = tmp_path / "runs" / "gsm8k-m2po-cpu" / "passive"
+    try:
+        pid = _worker_pid(run / "logs" / "rollout-0.log", time.time() + 600)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    lines = [ln for ln in (out + err).splitlines() if "OMP_WAIT_POLICY=PASSIVE for the worker processes" in ln]
+    assert len(lines) == 1 and "(2 threads on 1 CPUs)" in lines[0], (out + err)[-3000:]
