@@ -11,13 +11,13 @@ WORKERS="${STALERL_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
 case "$WORKERS" in
   ''|*[!0-9]*) echo "STALERL_TEST_WORKERS=$WORKERS: expected a whole number of workers (0: one process); e.g. STALERL_TEST_WORKERS=2" >&2; exit 2 ;;
 esac
-# OpenMP threads waiting at a barrier sleep instead of spinning (a wait policy: no change to any result). Two test
-# workers, their runs' own processes and CI's second lane put more compute threads than cores on the machine, and with
-# libgomp's default spin-wait a waiting thread burns the core its sibling needs: one SmolLM2 run (2 threads, the other
-# core busy) took 234 s with the default, 36 s with PASSIVE, 34 s at torch_threads=1, the same metrics in all three.
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 XDIST=()
 if [ "$WORKERS" -gt 1 ]; then
+  # With several workers (and CI's second lane) there are more compute threads than cores: OpenMP threads waiting at a
+  # barrier sleep instead of spinning on a core a sibling needs (a wait policy: no result changes). One SmolLM2 run, 2
+  # threads, the other core busy: 234 s with libgomp's default, 36 s PASSIVE, 34 s at torch_threads=1, same metrics.
+  # Not for one process on an idle machine, where sleeping costs wake-ups (tiny sync run: 27-31 s default, 36 s).
+  export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
   if "$PY" -c 'import xdist' 2>/dev/null; then
     XDIST=(-n "$WORKERS" --dist loadgroup)
   else
