@@ -30,6 +30,11 @@ def compute_processes(cfg: Any) -> dict[str, int]:
             "train": parse_backend(cfg.actor.backend, engines=TRAIN_ENGINES, key="actor.backend").dp}
 
 
+def compute_threads(cfg: Any) -> int:
+    """Threads the run's compute processes ask for: each sets ``torch.set_num_threads(torch_threads)``."""
+    return cfg.torch_threads * sum(compute_processes(cfg).values())
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask, e.g. a Slurm allocation or taskset), else the machine's."""
     try:
@@ -46,8 +51,9 @@ def placement_line(cfg: Any, cpus: Optional[int] = None) -> str:
     t, processes = cfg.torch_threads, sum(roles.values())
     parts = ", ".join(f"{role} {n} process{'es' if n > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
                       for role, n in roles.items())
-    line = f"stalerl: placement: {parts} (torch_threads={t}) = {processes * t} threads on {cpus} CPUs"
-    if processes * t > cpus:
+    threads = compute_threads(cfg)
+    line = f"stalerl: placement: {parts} (torch_threads={t}) = {threads} threads on {cpus} CPUs"
+    if threads > cpus:
         fit = max(1, cpus // processes)
         line += (f"; oversubscribed: the processes take turns on the same cores (torch_threads={fit} gives each "
                  "process cores of its own" + (", not possible here: more processes than CPUs" if processes > cpus
@@ -68,9 +74,8 @@ def passive_wait_for_workers(cfg: Any, cpus: Optional[int] = None,
     or the variable is set (the user's choice, kept)."""
     environ = os.environ if environ is None else environ
     cpus = available_cpus() if cpus is None else cpus
-    roles = compute_processes(cfg)
-    threads = cfg.torch_threads * sum(roles.values())
-    if "trainer" in roles or threads <= cpus or cfg.scheduler.type == "ray" or WAIT_POLICY_ENV in environ:
+    threads = compute_threads(cfg)
+    if "trainer" in compute_processes(cfg) or threads <= cpus or cfg.scheduler.type == "ray" or WAIT_POLICY_ENV in environ:
         return None
     environ[WAIT_POLICY_ENV] = "PASSIVE"
     return (f"stalerl: placement: {WAIT_POLICY_ENV}=PASSIVE for the worker processes ({threads} threads on {cpus} "

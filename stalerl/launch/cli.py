@@ -215,9 +215,9 @@ def run_sweep_on(kind: str, config_path, runs, configs) -> tuple[list[str], Opti
 
 def run_cpus(cfg: ExperimentConfig) -> float:
     """CPUs one run occupies: torch_threads per process (the controller plus its worker processes)."""
-    from stalerl.config.placement import compute_processes
+    from stalerl.config.placement import compute_threads
 
-    return float(cfg.torch_threads * sum(compute_processes(cfg).values()))
+    return float(compute_threads(cfg))
 
 
 def _run_sweep_on_ray(config_path, runs, configs) -> tuple[list[str], Optional[int]]:
